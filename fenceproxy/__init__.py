@@ -1,0 +1,26 @@
+"""fenceproxy: a reverse proxy that refuses stale and duplicate fenced writes.
+
+Put it in front of an HTTP API that cannot check fencing tokens itself: it keeps
+the highest generation accepted per job, durably, and refuses older generations
+and retried duplicates before they reach the API.
+"""
+
+from .app import make_app
+from .config import Config, load_config
+from .errors import ConfigError, FenceProxyError, Refusal, StoreError
+from .store import SQLiteStore, Store, open_store
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "FenceProxyError",
+    "Refusal",
+    "SQLiteStore",
+    "Store",
+    "StoreError",
+    "load_config",
+    "make_app",
+    "open_store",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,62 @@
+"""``make_app``: the aiohttp application and its typed state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from .config import Config, parse_store_url
+from .proxy import Proxy, problem_middleware
+from .routes import Router
+from .store import Store, open_store
+from .upstream import TrustedProxies, UpstreamPool
+
+__all__ = ["CONFIG_KEY", "PROXY_KEY", "STORE_KEY", "make_app"]
+
+CONFIG_KEY = web.AppKey("config", Config)
+STORE_KEY = web.AppKey("store", Store)
+PROXY_KEY = web.AppKey("proxy", Proxy)
+
+
+def make_app(
+    config: Config, *, store: Store | None = None, clock: Callable[[], float] = time.time
+) -> web.Application:
+    """The proxy as an aiohttp application.
+
+    The store named in ``config`` is opened at start-up and closed at clean-up,
+    unless ``store`` is given, which the caller then owns. Start-up fails with
+    StoreError when the store cannot be opened.
+    """
+    app = web.Application(middlewares=[problem_middleware], handler_args={"max_headers": 100})
+    app[CONFIG_KEY] = config
+    router = Router(config.routes)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        owned = store is None
+        opened = store or await open_store(
+            parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=clock
+        )
+        upstreams = UpstreamPool(router)
+        app[STORE_KEY] = opened
+        app[PROXY_KEY] = Proxy(
+            router,
+            opened,
+            upstreams,
+            trusted=TrustedProxies(config.trusted_proxies),
+            max_stored_response=config.idempotency.max_response,
+        )
+        try:
+            yield
+        finally:
+            await upstreams.close()
+            if owned:
+                await opened.close()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY_KEY].handle(request)
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app

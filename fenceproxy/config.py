@@ -1,0 +1,316 @@
+"""The YAML config as small immutable models, validated once at start-up.
+
+Every error names the file, the key (``routes[0].upstream``) and what is wrong, and
+is raised as :class:`~fenceproxy.errors.ConfigError`. Nothing here is re-checked per
+request: :mod:`fenceproxy.routes` compiles the validated routes once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from yarl import URL
+
+from .errors import ConfigError
+
+__all__ = [
+    "Config",
+    "FenceSpec",
+    "IdempotencySpec",
+    "RouteSpec",
+    "StoreURL",
+    "load_config",
+    "parse_config",
+    "parse_listen",
+    "parse_store_url",
+]
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?", re.ASCII)
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_SIZE = re.compile(r"([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?", re.ASCII)
+_SIZE_UNITS = {
+    None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
+    "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+}  # fmt: skip
+
+
+def _duration(value: Any) -> Any:
+    """Seconds as a number, or a string such as ``"250ms"``, ``"30s"``, ``"24h"``."""
+    if isinstance(value, str):
+        m = _DURATION.fullmatch(value.strip())
+        if m is None:
+            raise ValueError("expected seconds or a duration such as 250ms, 30s, 5m, 24h, 7d")
+        return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    return value
+
+
+def _size(value: Any) -> Any:
+    """Bytes as an integer, or a string such as ``"512KiB"``, ``"10MiB"``."""
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value.strip())
+        if m is None:
+            raise ValueError("expected bytes or a size such as 512KiB, 10MiB")
+        return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0, allow_inf_nan=False)]
+Size = Annotated[int, BeforeValidator(_size), Field(ge=0, strict=False)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreURL:
+    """A parsed ``store:`` value."""
+
+    backend: Literal["sqlite"]
+    path: str
+    synchronous: Literal["full", "normal"] = "full"
+
+
+def parse_store_url(value: str) -> StoreURL:
+    """``sqlite:///relative.db`` or ``sqlite:////absolute.db``, with an optional
+    ``?synchronous=full|normal``; raises ValueError."""
+    parts = urlsplit(value)
+    if parts.scheme != "sqlite" or parts.netloc or len(parts.path) < 2:
+        raise ValueError(
+            "expected sqlite:///PATH (relative to the working directory) or sqlite:////ABSOLUTE"
+        )
+    options = parse_qs(parts.query, keep_blank_values=True)
+    synchronous = options.pop("synchronous", ["full"])[-1]
+    if options or synchronous not in ("full", "normal"):
+        raise ValueError("the only store option is ?synchronous=full or ?synchronous=normal")
+    return StoreURL(
+        "sqlite", unquote(parts.path[1:]), "full" if synchronous == "full" else "normal"
+    )
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` to a pair; raises ValueError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected HOST:PORT, such as 127.0.0.1:8080 or [::1]:8080")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid HTTP header name")
+    return value
+
+
+class FenceSpec(_Model):
+    """How a route reads fencing headers. Defaults match the lease client."""
+
+    methods: tuple[str, ...] = ("POST", "PUT", "PATCH", "DELETE")
+    job_header: str = "Fencing-Job"
+    token_header: str = "Fencing-Token"
+    key_header: str = "Idempotency-Key"
+    on_duplicate: Literal["replay", "reject"] = "replay"
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one method is needed; use fence: false for none")
+        for method in value:
+            if not _TOKEN.fullmatch(method) or method != method.upper():
+                raise ValueError(f"{method!r} is not an upper-case HTTP method")
+        return value
+
+    @field_validator("job_header", "token_header", "key_header")
+    @classmethod
+    def _headers(cls, value: str) -> str:
+        return _header_name(value)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> FenceSpec:
+        names = [self.job_header.lower(), self.token_header.lower(), self.key_header.lower()]
+        if len(set(names)) != 3:
+            raise ValueError("job_header, token_header and key_header must differ")
+        return self
+
+
+class RouteSpec(_Model):
+    """One route: a path prefix, the upstream it forwards to, and its fencing."""
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+    path: str
+    upstream: str
+    fence: FenceSpec | None = FenceSpec()
+    """None for a pass-through route (``fence: false``)."""
+    timeout: Duration = 30.0
+    connect_timeout: Duration = 5.0
+    max_body: Size = 10 * 1024 * 1024
+
+    @field_validator("fence", mode="before")
+    @classmethod
+    def _fence(cls, value: Any) -> Any:
+        if value is False:
+            return None
+        if value is True or value is None:
+            return FenceSpec()
+        if not isinstance(value, dict | FenceSpec):
+            raise ValueError("expected a mapping of fence settings, or false for no fencing")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with /")
+        if any(c in value for c in "?#") or any(ord(c) < 0x21 for c in value):
+            raise ValueError("must be a plain path: no query, fragment, spaces or controls")
+        stripped = value.replace("{job}", "")
+        if "{" in stripped or "}" in stripped:
+            raise ValueError("the only placeholder allowed is {job}")
+        if value.count("{job}") > 1:
+            raise ValueError("{job} may appear once")
+        if "{job}" in value and not re.search(r"(^|/)\{job\}(/|$)", value):
+            raise ValueError("{job} must be a whole path segment, as in /orders/{job}/")
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, value: str) -> str:
+        try:
+            url = URL(value)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"not a URL: {exc}") from None
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError("expected http://HOST[:PORT][/base-path] or https://...")
+        if url.query_string or url.fragment or url.user or url.password:
+            raise ValueError("must not carry a query, fragment or credentials")
+        return value
+
+
+class IdempotencySpec(_Model):
+    """How long idempotency keys are kept and how much response each may store."""
+
+    ttl: Duration = 24 * 3600.0
+    max_response: Size = 1024 * 1024
+
+
+class Config(_Model):
+    """The whole file."""
+
+    listen: str = "127.0.0.1:8080"
+    store: str = "sqlite:///fenceproxy.db"
+    idempotency: IdempotencySpec = IdempotencySpec()
+    trusted_proxies: tuple[str, ...] = ()
+    shutdown_timeout: Duration = 30.0
+    routes: tuple[RouteSpec, ...] = Field(min_length=1)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str) -> str:
+        parse_store_url(value)
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _trusted(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for net in value:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"{net!r} is not an IP address or network") from None
+        return value
+
+    @field_validator("routes")
+    @classmethod
+    def _unique(cls, value: tuple[RouteSpec, ...]) -> tuple[RouteSpec, ...]:
+        for attr in ("name", "path"):
+            seen: set[str] = set()
+            for route in value:
+                item = getattr(route, attr)
+                if item in seen:
+                    raise ValueError(f"two routes have the {attr} {item!r}")
+                seen.add(item)
+        return value
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    """``("routes", 0, "upstream")`` to ``routes[0].upstream``, without pydantic's
+    internal validator names."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" not in part:
+            out += f".{part}" if out else part
+    return out
+
+
+def parse_config(data: Any, source: str, overrides: Mapping[str, str] | None = None) -> Config:
+    """Validate already-parsed YAML. ``overrides`` come from the command line."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", "the top level must be a mapping of keys")])
+    merged = {**data, **(overrides or {})}
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        locs = [err["loc"] for err in errors]
+        problems = []
+        for err in errors:
+            # An error on a container is only the echo of one inside it.
+            if any(len(o) > len(err["loc"]) and o[: len(err["loc"])] == err["loc"] for o in locs):
+                continue
+            key = _key(err["loc"])
+            if overrides and key in overrides:
+                key = f"{key} (from --{key})"
+            msg = err["msg"].removeprefix("Value error, ").replace("uple", "ist")
+            problems.append((key, msg))
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a config file.
+
+    Raises ConfigError naming the file for an unreadable file, a YAML syntax error
+    (with its line and column), or any invalid key.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, [("", f"cannot read: {exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f"line {mark.line + 1}, column {mark.column + 1}: "
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(source, [("", f"{where}invalid YAML: {problem}")]) from None
+    return parse_config(data, source, overrides)

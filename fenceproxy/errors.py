@@ -1,0 +1,201 @@
+"""The one exception tree of fenceproxy, and the problem type of every refusal.
+
+    FenceProxyError
+    ├── ConfigError                  a config file or option is wrong; names the file and key
+    ├── StoreError                   the store failed; the proxy fails closed (503)
+    │   └── StoreLocked              another process holds the SQLite store
+    └── Refusal                      answered to the client as RFC 9457 problem+json
+        ├── NoRoute                  404  no route matches the path
+        ├── BodyTooLarge             413  body above the route's limit
+        ├── FencingHeaderMissing     428  job or token header absent
+        ├── FencingHeaderMalformed   400  job or token header not acceptable
+        ├── IdempotencyKeyMalformed  400
+        ├── StaleGeneration          409  a newer generation was accepted for the job
+        ├── DuplicateInFlight        409  the same key is being forwarded now
+        ├── DuplicateOutcomeUnknown  409  the same key was sent, its result never came back
+        ├── DuplicateRejected        409  the key completed and the route does not replay
+        ├── DuplicateNotStored       409  the key completed, its response was too large to keep
+        ├── KeyReused                422  the same key with another method, path or body
+        ├── StoreUnavailable         503  the fence could not be read or recorded
+        └── UpstreamError                 the upstream did not give an answer
+            ├── UpstreamUnreachable  502  connection refused: nothing was sent, key released
+            ├── UpstreamFailed       502  reset or malformed answer after sending: outcome unknown
+            └── UpstreamTimeout      504  no answer in time after sending: outcome unknown
+
+Foreign errors are mapped into this tree at exactly two boundaries: aiohttp client
+errors in :mod:`fenceproxy.upstream`, sqlite errors in :mod:`fenceproxy.store.sqlite`.
+Every refusal kind carries its problem ``type``, ``status`` and ``title`` once, here;
+the HTTP layer renders them and the log records them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "PROBLEM_BASE",
+    "BodyTooLarge",
+    "ConfigError",
+    "DuplicateInFlight",
+    "DuplicateNotStored",
+    "DuplicateOutcomeUnknown",
+    "DuplicateRejected",
+    "FenceProxyError",
+    "FencingHeaderMalformed",
+    "FencingHeaderMissing",
+    "IdempotencyKeyMalformed",
+    "KeyReused",
+    "NoRoute",
+    "Refusal",
+    "StaleGeneration",
+    "StoreError",
+    "StoreLocked",
+    "StoreUnavailable",
+    "UpstreamError",
+    "UpstreamFailed",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+]
+
+PROBLEM_BASE = "urn:fenceproxy:problem:"
+
+
+class FenceProxyError(Exception):
+    """Root of every error fenceproxy raises on purpose."""
+
+
+class ConfigError(FenceProxyError):
+    """A config file or command-line option is wrong.
+
+    The message names the file, the key (as a dotted path) and what is wrong.
+    """
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {key}: {msg}" if key else f"{source}: {msg}" for key, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+class StoreError(FenceProxyError):
+    """The store could not be opened, read or written."""
+
+
+class StoreLocked(StoreError):
+    """Another process holds the SQLite store: one proxy per SQLite file."""
+
+
+class Refusal(FenceProxyError):
+    """A request the proxy answers itself, with an RFC 9457 problem body.
+
+    Subclasses set ``slug`` (the problem type is ``PROBLEM_BASE + slug``), ``status``
+    and ``title``. ``detail`` is a sentence for a person; ``extensions`` are extra
+    members of the problem object (the job, the generations, ...). Values placed in
+    either have been validated first: a raw header value is never echoed.
+    """
+
+    slug: ClassVar[str]
+    status: ClassVar[int]
+    title: ClassVar[str]
+
+    def __init__(self, detail: str, **extensions: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extensions = extensions
+
+    @classmethod
+    def type_uri(cls) -> str:
+        return PROBLEM_BASE + cls.slug
+
+    def problem(self, instance: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": self.type_uri(),
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        if instance is not None:
+            body["instance"] = instance
+        body.update(self.extensions)
+        return body
+
+
+class NoRoute(Refusal):
+    slug, status, title = "no-route", 404, "No route matches this path"
+
+
+class BodyTooLarge(Refusal):
+    slug, status, title = "body-too-large", 413, "Request body too large"
+
+
+class FencingHeaderMissing(Refusal):
+    slug, status, title = "fencing-header-missing", 428, "Fencing header required"
+
+
+class FencingHeaderMalformed(Refusal):
+    slug, status, title = "fencing-header-malformed", 400, "Fencing header malformed"
+
+
+class IdempotencyKeyMalformed(Refusal):
+    slug, status, title = "idempotency-key-malformed", 400, "Idempotency key malformed"
+
+
+class StaleGeneration(Refusal):
+    slug, status, title = "stale-generation", 409, "A newer generation holds this job"
+
+
+class DuplicateInFlight(Refusal):
+    slug, status, title = "duplicate-in-flight", 409, "The same request is in flight"
+
+
+class DuplicateOutcomeUnknown(Refusal):
+    slug, status, title = (
+        "duplicate-outcome-unknown",
+        409,
+        "The same request was sent and its outcome is unknown",
+    )
+
+
+class DuplicateRejected(Refusal):
+    slug, status, title = "duplicate-rejected", 409, "The same request was already applied"
+
+
+class DuplicateNotStored(Refusal):
+    slug, status, title = (
+        "duplicate-not-stored",
+        409,
+        "The same request was already applied; its response was too large to replay",
+    )
+
+
+class KeyReused(Refusal):
+    slug, status, title = (
+        "idempotency-key-reused",
+        422,
+        "Idempotency key reused for a different request",
+    )
+
+
+class StoreUnavailable(Refusal):
+    slug, status, title = "store-unavailable", 503, "Fencing store unavailable"
+
+
+class UpstreamError(Refusal):
+    """The upstream gave no usable answer. ``sent`` tells whether the request left."""
+
+    sent: ClassVar[bool]
+
+
+class UpstreamUnreachable(UpstreamError):
+    slug, status, title = "upstream-unreachable", 502, "Upstream unreachable"
+    sent = False
+
+
+class UpstreamFailed(UpstreamError):
+    slug, status, title = "upstream-failed", 502, "Upstream failed after the request was sent"
+    sent = True
+
+
+class UpstreamTimeout(UpstreamError):
+    slug, status, title = "upstream-timeout", 504, "Upstream did not answer in time"
+    sent = True

@@ -1,0 +1,204 @@
+"""The fence decision, pure and without I/O.
+
+Parsing of the fencing headers, the comparison of generations, and what an
+idempotency key already on record means for a new request. The store calls
+:func:`decide` inside its transaction, so the check and the record of the new
+highest generation are one atomic step.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+import unicodedata
+from dataclasses import dataclass
+
+from .errors import (
+    DuplicateInFlight,
+    DuplicateNotStored,
+    DuplicateOutcomeUnknown,
+    DuplicateRejected,
+    FencingHeaderMalformed,
+    IdempotencyKeyMalformed,
+    KeyReused,
+    Refusal,
+    StaleGeneration,
+)
+
+__all__ = [
+    "GENERATION_MAX",
+    "JOB_MAX_BYTES",
+    "KEY_MAX_CHARS",
+    "Admit",
+    "FencedWrite",
+    "KeyRecord",
+    "KeyState",
+    "Replay",
+    "StoredResponse",
+    "decide",
+    "fingerprint",
+    "parse_generation",
+    "parse_job",
+    "parse_key",
+]
+
+GENERATION_MAX = 2**63 - 1
+JOB_MAX_BYTES = 256
+KEY_MAX_CHARS = 255
+
+_GENERATION = re.compile(r"[0-9]{1,19}", re.ASCII)
+_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?", re.ASCII)
+
+
+def parse_generation(value: str, header: str) -> int:
+    """ASCII digits only, 0 to 2**63-1; anything else raises FencingHeaderMalformed.
+
+    ``int()`` alone would accept ``" 7"``, ``"1_0"`` and non-ASCII digits.
+    """
+    if not _GENERATION.fullmatch(value) or int(value) > GENERATION_MAX:
+        raise FencingHeaderMalformed(
+            f"{header} must be a decimal integer from 0 to {GENERATION_MAX}", header=header
+        )
+    return int(value)
+
+
+def parse_job(value: str, source: str) -> str:
+    """A job id: 1 to 256 bytes of UTF-8 without control characters.
+
+    Raises FencingHeaderMalformed naming ``source`` (the header, or "path").
+    """
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:  # surrogate-escaped bytes that were not UTF-8
+        size = -1
+    if not 0 < size <= JOB_MAX_BYTES or any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        raise FencingHeaderMalformed(
+            f"the job id in {source} must be 1 to {JOB_MAX_BYTES} bytes of UTF-8 "
+            "without control characters",
+            header=source,
+        )
+    return value
+
+
+def parse_key(value: str, header: str) -> str:
+    """An idempotency key: 1 to 255 printable ASCII characters, no edge spaces."""
+    if len(value) > KEY_MAX_CHARS or not _KEY.fullmatch(value):
+        raise IdempotencyKeyMalformed(
+            f"{header} must be 1 to {KEY_MAX_CHARS} printable ASCII characters", header=header
+        )
+    return value
+
+
+def fingerprint(method: str, raw_path: str, body: bytes) -> bytes:
+    """What makes two requests with one key "the same request"."""
+    digest = hashlib.sha256()
+    digest.update(method.encode("ascii"))
+    digest.update(b"\0")
+    digest.update(raw_path.encode("utf-8", "surrogateescape"))
+    digest.update(b"\0")
+    digest.update(body)
+    return digest.digest()
+
+
+class KeyState(enum.StrEnum):
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """The upstream's answer to a keyed write; ``body`` is None when it was too large."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    state: KeyState
+    fingerprint: bytes
+    response: StoredResponse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FencedWrite:
+    """A fenced write as the decision sees it. ``key`` and ``fingerprint`` go together."""
+
+    route: str
+    job: str
+    generation: int
+    key: str | None = None
+    fingerprint: bytes | None = None
+    replay: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Forward the write. ``raise_to`` is the new highest generation, if it rose."""
+
+    raise_to: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Answer with the stored response; forward nothing."""
+
+    response: StoredResponse
+
+
+def decide(
+    write: FencedWrite, current: int | None, key: KeyRecord | None
+) -> Admit | Replay | Refusal:
+    """Decide one fenced write against the job's highest generation and its key record.
+
+    A key on record is looked at first: a retry of a write that was applied is answered
+    from the record even when a newer generation has come since, because the proxy
+    must not apply it twice and the stored answer is the truth about it.
+    """
+    if key is not None:
+        assert write.key is not None
+        if key.fingerprint != write.fingerprint:
+            return KeyReused(
+                "this Idempotency-Key was used for a request with another method, path or body",
+                job=write.job,
+            )
+        if key.state is KeyState.IN_FLIGHT:
+            return DuplicateInFlight(
+                "a request with this Idempotency-Key is being forwarded now; retry later",
+                job=write.job,
+            )
+        if key.state is KeyState.UNKNOWN:
+            return DuplicateOutcomeUnknown(
+                "a request with this Idempotency-Key was sent to the upstream and no answer came "
+                "back; the upstream may have applied it, so it is not sent again",
+                job=write.job,
+            )
+        assert key.response is not None
+        if not write.replay:
+            return DuplicateRejected(
+                "a request with this Idempotency-Key was already applied",
+                job=write.job,
+                original_status=key.response.status,
+            )
+        if key.response.body is None:
+            return DuplicateNotStored(
+                "a request with this Idempotency-Key was already applied; its response was "
+                "too large to store",
+                job=write.job,
+                original_status=key.response.status,
+            )
+        return Replay(key.response)
+    if current is not None and write.generation < current:
+        return StaleGeneration(
+            f"generation {write.generation} is older than generation {current}, "
+            f"already accepted for job {write.job!r}",
+            job=write.job,
+            generation=write.generation,
+            current_generation=current,
+        )
+    if current is None or write.generation > current:
+        return Admit(raise_to=write.generation)
+    return Admit(raise_to=None)

@@ -1,0 +1,328 @@
+"""The embedded default store: one SQLite file, owned by one proxy process.
+
+Durability: WAL mode. With ``synchronous=full`` (the default) a commit is on disk
+when it returns, so a fence survives a process crash *and* a power loss; with
+``synchronous=normal`` it survives a process crash, and a power loss may roll back
+the last commits (so a stale write could be admitted once after it).
+
+Writes from concurrent requests are grouped: every operation waiting while a
+commit runs goes into the next transaction, so many fence updates share one
+commit (and one fsync). An operation's caller resumes only after its commit.
+
+The file is opened in SQLite's exclusive locking mode: per-job ordering is kept
+by in-process locks, so a second proxy on the same file is refused at start
+(:class:`~fenceproxy.errors.StoreLocked`) rather than allowed to break it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import aiosqlite
+
+from ..errors import Refusal, StoreError, StoreLocked
+from ..fencing import Admit, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse, decide
+from ..log import store_log
+from .base import JobLocks, Store
+
+__all__ = ["SQLiteStore"]
+
+T = TypeVar("T")
+_Op = Callable[[aiosqlite.Connection], Awaitable[Any]]
+
+_SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS fences (
+    job         TEXT PRIMARY KEY,
+    generation  INTEGER NOT NULL,
+    updated_at  REAL NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    route       TEXT NOT NULL,
+    job         TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    fingerprint BLOB NOT NULL,
+    generation  INTEGER NOT NULL,
+    status      INTEGER,
+    headers     TEXT,
+    body        BLOB,
+    created_at  REAL NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (route, job, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);
+"""
+
+Synchronous = Literal["full", "normal"]
+
+
+class SQLiteStore(Store):
+    """Fences and idempotency keys in one SQLite file. Open with :meth:`open`."""
+
+    def __init__(
+        self,
+        conn: aiosqlite.Connection,
+        *,
+        key_ttl: float,
+        clock: Callable[[], float],
+        purge_interval: float,
+    ) -> None:
+        self._conn = conn
+        self._key_ttl = key_ttl
+        self._clock = clock
+        self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self.locks = JobLocks()
+        """The per-job locks behind :meth:`job_lock`."""
+        self._writer = asyncio.create_task(self._write_loop(), name="fenceproxy-sqlite-writer")
+        self._purger = asyncio.create_task(
+            self._purge_loop(purge_interval), name="fenceproxy-sqlite-purge"
+        )
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | Path,
+        *,
+        synchronous: Synchronous = "full",
+        key_ttl: float = 24 * 3600.0,
+        clock: Callable[[], float] = time.time,
+        purge_interval: float = 60.0,
+    ) -> SQLiteStore:
+        """Open (and create or migrate) the store at ``path``.
+
+        Raises StoreLocked when another process has it open, StoreError when the
+        file cannot be opened or is not a fenceproxy store.
+        """
+        try:
+            conn = await aiosqlite.connect(str(path), isolation_level=None, timeout=2.0)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
+        try:
+            await conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+            await conn.execute("PRAGMA journal_mode = WAL")
+            await conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+            # Takes the exclusive lock now, not at the first request.
+            await conn.execute("BEGIN IMMEDIATE")
+            version = (await (await conn.execute("PRAGMA user_version")).fetchone() or (0,))[0]
+            if version > _SCHEMA_VERSION:
+                raise StoreError(
+                    f"SQLite store {str(path)!r} has schema version {version}; "
+                    f"this fenceproxy knows up to {_SCHEMA_VERSION}"
+                )
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                await conn.execute(statement)
+            await conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+            # A keyed write in flight when the previous process died may have reached
+            # the upstream: its outcome is unknown, and a retry must be told so.
+            cursor = await conn.execute(
+                "UPDATE idempotency_keys SET state = 'unknown' WHERE state = 'in_flight'"
+            )
+            if cursor.rowcount:
+                store_log.warning(
+                    "%d idempotency keys were in flight at the last stop; marked unknown",
+                    cursor.rowcount,
+                )
+            await conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            await conn.close()
+            if "locked" in str(exc):
+                raise StoreLocked(
+                    f"SQLite store {str(path)!r} is in use by another process; "
+                    "one proxy per SQLite file"
+                ) from exc
+            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
+        except sqlite3.Error as exc:
+            await conn.close()
+            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, key_ttl=key_ttl, clock=clock, purge_interval=purge_interval)
+
+    # -- the interface --------------------------------------------------------
+
+    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal:
+        async def op(conn: aiosqlite.Connection) -> Admit | Replay | Refusal:
+            now = self._clock()
+            row = await _one(conn, "SELECT generation FROM fences WHERE job = ?", (write.job,))
+            current = None if row is None else int(row[0])
+            record = None
+            if write.key is not None:
+                record = _record(
+                    await _one(
+                        conn,
+                        "SELECT state, fingerprint, status, headers, body FROM idempotency_keys"
+                        " WHERE route = ? AND job = ? AND key = ? AND expires_at > ?",
+                        (write.route, write.job, write.key, now),
+                    )
+                )
+            decision = decide(write, current, record)
+            if isinstance(decision, Admit):
+                if decision.raise_to is not None:
+                    await conn.execute(
+                        "INSERT INTO fences (job, generation, updated_at) VALUES (?, ?, ?)"
+                        " ON CONFLICT (job) DO UPDATE SET generation = excluded.generation,"
+                        " updated_at = excluded.updated_at",
+                        (write.job, decision.raise_to, now),
+                    )
+                if write.key is not None:
+                    await conn.execute(
+                        "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
+                        " fingerprint, generation, created_at, expires_at)"
+                        " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?)",
+                        (
+                            write.route,
+                            write.job,
+                            write.key,
+                            write.fingerprint,
+                            write.generation,
+                            now,
+                            now + self._key_ttl,
+                        ),
+                    )
+            return decision
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
+    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
+        headers = json.dumps(response.headers)
+        await self._update_key(
+            write,
+            "state = 'completed', status = ?, headers = ?, body = ?",
+            (response.status, headers, response.body),
+        )
+
+    async def mark_unknown(self, write: FencedWrite) -> None:
+        await self._update_key(write, "state = 'unknown'", ())
+
+    async def forget_key(self, write: FencedWrite) -> None:
+        async def op(conn: aiosqlite.Connection) -> None:
+            await conn.execute(
+                "DELETE FROM idempotency_keys WHERE route = ? AND job = ? AND key = ?"
+                " AND state = 'in_flight'",
+                (write.route, write.job, write.key),
+            )
+
+        await self._submit(op)
+
+    async def generation(self, job: str) -> int | None:
+        async def op(conn: aiosqlite.Connection) -> int | None:
+            row = await _one(conn, "SELECT generation FROM fences WHERE job = ?", (job,))
+            return None if row is None else int(row[0])
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
+    def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:
+        return self.locks(job)
+
+    async def purge_expired(self) -> int:
+        """Delete idempotency keys past their ttl; returns how many."""
+
+        async def op(conn: aiosqlite.Connection) -> int:
+            cursor = await conn.execute(
+                "DELETE FROM idempotency_keys WHERE expires_at <= ? AND state != 'in_flight'",
+                (self._clock(),),
+            )
+            return cursor.rowcount
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._purger.cancel()
+        self._wake.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._purger
+        await self._writer
+        await self._conn.close()
+
+    # -- grouped commits ------------------------------------------------------
+
+    async def _update_key(
+        self, write: FencedWrite, assignments: str, params: tuple[Any, ...]
+    ) -> None:
+        async def op(conn: aiosqlite.Connection) -> None:
+            await conn.execute(
+                f"UPDATE idempotency_keys SET {assignments}"
+                " WHERE route = ? AND job = ? AND key = ? AND state = 'in_flight'",
+                (*params, write.route, write.job, write.key),
+            )
+
+        await self._submit(op)
+
+    async def _submit(self, op: _Op) -> Any:
+        if self._closing:
+            raise StoreError("the store is closed")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((op, future))
+        self._wake.set()
+        return await future
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._run_batch(batch)
+            if self._closing:
+                return
+
+    async def _run_batch(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
+        results: list[Any] = []
+        try:
+            await self._conn.execute("BEGIN IMMEDIATE")
+            for op, _ in batch:
+                results.append(await op(self._conn))
+            await self._conn.execute("COMMIT")
+        except Exception as exc:  # an op that fails fails its whole batch, closed
+            store_log.error("SQLite transaction of %d operations failed: %s", len(batch), exc)
+            with contextlib.suppress(sqlite3.Error):
+                await self._conn.execute("ROLLBACK")
+            error = StoreError(f"SQLite store failed: {exc}")
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+    async def _purge_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                removed = await self.purge_expired()
+            except StoreError:
+                continue
+            if removed:
+                store_log.info("purged %d expired idempotency keys", removed)
+
+
+async def _one(conn: aiosqlite.Connection, sql: str, params: tuple[Any, ...]) -> Any:
+    async with conn.execute(sql, params) as cursor:
+        return await cursor.fetchone()
+
+
+def _record(row: Any) -> KeyRecord | None:
+    if row is None:
+        return None
+    state, fp, status, headers, body = row
+    response = None
+    if state == KeyState.COMPLETED:
+        pairs = tuple((str(k), str(v)) for k, v in json.loads(headers))
+        response = StoredResponse(status=int(status), headers=pairs, body=body)
+    return KeyRecord(state=KeyState(state), fingerprint=bytes(fp), response=response)

@@ -1,0 +1,178 @@
+"""Test helpers shipped with the package, for fenceproxy's tests and yours.
+
+* :class:`RecordingUpstream`: a real HTTP server on loopback that records every
+  request it receives in full (what the API "applied") and answers as told.
+* :class:`FakeClock`: a clock tests move by hand instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from . import hdrs
+
+__all__ = [
+    "FakeClock",
+    "Received",
+    "RecordingUpstream",
+    "drop_connection",
+    "eventually",
+    "free_port",
+    "status",
+]
+
+Responder = Callable[[web.Request, "Received"], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One request as the upstream received it, body complete."""
+
+    method: str
+    path_qs: str
+    headers: CIMultiDictProxy[str]
+    body: bytes
+
+    @property
+    def job(self) -> str | None:
+        return self.headers.get(hdrs.DEFAULT_JOB)
+
+    @property
+    def generation(self) -> int | None:
+        token = self.headers.get(hdrs.DEFAULT_TOKEN)
+        return int(token) if token is not None and token.isdigit() else None
+
+    @property
+    def key(self) -> str | None:
+        return self.headers.get(hdrs.DEFAULT_KEY)
+
+
+async def _ok(request: web.Request, received: Received) -> web.StreamResponse:
+    return web.json_response({"applied": True, "path": received.path_qs}, status=200)
+
+
+class RecordingUpstream:
+    """An upstream that records what it receives, then answers with ``respond``.
+
+    A request is recorded once its whole body has arrived, before ``respond`` runs,
+    so a hanging or failing ``respond`` still counts as received. Set ``respond``
+    to change the answer; :meth:`hold` makes requests wait until released.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self.respond: Responder = _ok
+        self.latency: Callable[[], float] | None = None
+        """Seconds a request spends between arriving and being applied (recorded):
+        a slow API, under which concurrent requests can overtake each other."""
+        self._changed = asyncio.Condition()
+        self._gate: asyncio.Event | None = None
+        self.url = ""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        return app
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if self.latency is not None:
+            await asyncio.sleep(self.latency())
+        received = Received(request.method, request.rel_url.raw_path_qs, request.headers, body)
+        async with self._changed:
+            self.received.append(received)
+            self._changed.notify_all()
+        if self._gate is not None:
+            await self._gate.wait()
+        return await self.respond(request, received)
+
+    def hold(self) -> Callable[[], None]:
+        """Make requests wait after being recorded; call the returned function to
+        let every waiting and later request through."""
+        gate = self._gate = asyncio.Event()
+
+        def release() -> None:
+            gate.set()
+            if self._gate is gate:
+                self._gate = None
+
+        return release
+
+    async def wait_for(self, count: int, within: float = 10.0) -> list[Received]:
+        """Wait until ``count`` requests were received; return them all."""
+        async with asyncio.timeout(within), self._changed:
+            await self._changed.wait_for(lambda: len(self.received) >= count)
+        return list(self.received)
+
+    def bodies(self) -> list[object]:
+        return [json.loads(r.body) if r.body else None for r in self.received]
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(
+        cls, host: str = "127.0.0.1", port: int = 0
+    ) -> AsyncIterator[RecordingUpstream]:
+        """Run one on loopback for the duration of the block; ``url`` says where."""
+        upstream = cls()
+        runner = web.AppRunner(upstream.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        upstream.url = f"http://{host}:{sock.getsockname()[1]}"
+        try:
+            yield upstream
+        finally:
+            await runner.cleanup()
+
+
+async def drop_connection(request: web.Request, received: Received) -> web.StreamResponse:
+    """A ``respond`` that closes the connection without answering."""
+    assert request.transport is not None
+    request.transport.close()
+    raise asyncio.CancelledError
+
+
+def status(code: int, body: bytes = b"") -> Responder:
+    """A ``respond`` that answers ``code`` with ``body``."""
+
+    async def respond(request: web.Request, received: Received) -> web.StreamResponse:
+        return web.Response(status=code, body=body)
+
+    return respond
+
+
+class FakeClock:
+    """A wall clock that moves only when told to."""
+
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    """Poll ``predicate`` on every turn of the event loop until it holds, for at
+    most ``within`` seconds (then TimeoutError). For state no event announces."""
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

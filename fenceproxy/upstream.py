@@ -1,0 +1,182 @@
+"""The upstream side: one keep-alive client per upstream, the header rules in both
+directions, and the one place where aiohttp client errors become UpstreamErrors.
+
+The client never follows redirects, never decompresses, keeps no cookies, and
+never retries a request on its own: retrying a write is the worker's decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterable, Iterable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy, istr
+from yarl import URL
+
+from . import hdrs
+from .errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
+from .routes import Route
+
+__all__ = [
+    "TrustedProxies",
+    "UpstreamPool",
+    "forwarded_headers",
+    "map_client_error",
+    "replayable_headers",
+    "response_headers",
+]
+
+_VIA = "fenceproxy"
+# Set by the proxy itself or by aiohttp's framing, never copied from the client.
+_NOT_FORWARDED = hdrs.HOP_BY_HOP | {istr("Host"), istr("Content-Length"), istr("Expect")}
+_NOT_RETURNED = hdrs.HOP_BY_HOP
+_NOT_STORED = hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA}
+
+
+def _connection_named(headers: CIMultiDictProxy[str]) -> set[istr]:
+    named: set[istr] = set()
+    for value in headers.getall("Connection", ()):
+        named.update(istr(token.strip()) for token in value.split(",") if token.strip())
+    return named
+
+
+class TrustedProxies:
+    """Peers whose X-Forwarded-* headers are believed."""
+
+    __slots__ = ("_networks",)
+
+    def __init__(self, networks: Iterable[str]) -> None:
+        self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in networks)
+
+    def __contains__(self, peer: str | None) -> bool:
+        if peer is None or not self._networks:
+            return False
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(address in net for net in self._networks)
+
+
+def forwarded_headers(
+    request: web.BaseRequest, trusted: TrustedProxies, body_length: int | None
+) -> CIMultiDict[str]:
+    """The headers to send upstream: the client's, less hop-by-hop ones, plus
+    X-Forwarded-For/-Proto/-Host and Via. Incoming X-Forwarded-* values are kept
+    only from a trusted peer. ``body_length`` is the Content-Length the aiohttp
+    server already enforced on the incoming body, or None to let aiohttp frame it."""
+    incoming = request.headers
+    drop = _NOT_FORWARDED | _connection_named(incoming)
+    out: CIMultiDict[str] = CIMultiDict(
+        (name, value) for name, value in incoming.items() if name not in drop
+    )
+    peer = request.remote
+    believe = peer in trusted
+    prior_for = incoming.get(hdrs.X_FORWARDED_FOR) if believe else None
+    out[hdrs.X_FORWARDED_FOR] = f"{prior_for}, {peer}" if prior_for else (peer or "unknown")
+    if not (believe and hdrs.X_FORWARDED_PROTO in incoming):
+        out[hdrs.X_FORWARDED_PROTO] = request.scheme
+    if not (believe and hdrs.X_FORWARDED_HOST in incoming):
+        out.popall(hdrs.X_FORWARDED_HOST, None)
+        if request.host:
+            out[hdrs.X_FORWARDED_HOST] = request.host
+    _append_via(out, request.version)
+    if body_length is not None:
+        out[istr("Content-Length")] = str(body_length)
+    return out
+
+
+def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    """The upstream's response headers less hop-by-hop ones, plus Via."""
+    drop = _NOT_RETURNED | _connection_named(upstream.headers)
+    out: CIMultiDict[str] = CIMultiDict(
+        (name, value) for name, value in upstream.headers.items() if name not in drop
+    )
+    _append_via(out, upstream.version)
+    return out
+
+
+def replayable_headers(upstream: aiohttp.ClientResponse) -> tuple[tuple[str, str], ...]:
+    """The upstream's headers worth storing for a replay: no hop-by-hop, no framing
+    (the replay is framed anew), no Via."""
+    drop = _NOT_STORED | _connection_named(upstream.headers)
+    return tuple((k, v) for k, v in upstream.headers.items() if k not in drop)
+
+
+def _append_via(headers: CIMultiDict[str], version: Any) -> None:
+    hop = f"{version.major}.{version.minor} {_VIA}" if version else f"1.1 {_VIA}"
+    prior = ", ".join(headers.popall(hdrs.VIA, ()))
+    headers[hdrs.VIA] = f"{prior}, {hop}" if prior else hop
+
+
+def map_client_error(exc: BaseException) -> UpstreamError:
+    """The one mapping of aiohttp client errors to fenceproxy's.
+
+    Only a failure to connect means the request never left; everything else after
+    the connection was made leaves the outcome unknown.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return UpstreamUnreachable(f"could not connect to the upstream: {type(exc).__name__}")
+    if isinstance(exc, asyncio.TimeoutError):
+        return UpstreamTimeout("the upstream did not answer in time; it may have applied the write")
+    return UpstreamFailed(
+        f"the upstream connection failed after the request was sent ({type(exc).__name__}); "
+        "it may have applied the write"
+    )
+
+
+class UpstreamPool:
+    """One keep-alive ``ClientSession`` per upstream origin, made once at start-up."""
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        self._sessions: dict[URL, aiohttp.ClientSession] = {}
+        self._timeouts: dict[str, aiohttp.ClientTimeout] = {}
+        for route in routes:
+            self._timeouts[route.name] = aiohttp.ClientTimeout(
+                total=None, connect=route.connect_timeout, sock_read=route.timeout
+            )
+            if route.upstream not in self._sessions:
+                session = aiohttp.ClientSession(
+                    auto_decompress=False,
+                    cookie_jar=aiohttp.DummyCookieJar(),
+                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+                    connector=aiohttp.TCPConnector(limit=0, limit_per_host=256),
+                )
+                # aiohttp re-sends PUT and DELETE once when a pooled connection drops
+                # before the answer. A fenced write must never be sent twice by us.
+                session._retry_connection = False
+                self._sessions[route.upstream] = session
+
+    async def send(
+        self,
+        route: Route,
+        method: str,
+        raw_path_qs: str,
+        headers: CIMultiDict[str],
+        body: bytes | AsyncIterable[bytes] | None,
+    ) -> aiohttp.ClientResponse:
+        """Send a request and return once the upstream's status and headers are in.
+
+        Raises UpstreamError (see :func:`map_client_error`); the caller must release
+        the response it gets.
+        """
+        url = URL(route.target + raw_path_qs, encoded=True)
+        try:
+            return await self._sessions[route.upstream].request(
+                method,
+                url,
+                headers=headers,
+                data=body,
+                allow_redirects=False,
+                timeout=self._timeouts[route.name],
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise map_client_error(exc) from exc
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()

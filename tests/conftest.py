@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import ClientResponse
+from aiohttp.test_utils import TestClient
+
+from fenceproxy.app import STORE_KEY, make_app
+from fenceproxy.config import parse_config
+from fenceproxy.store import Store
+from fenceproxy.testing import FakeClock, RecordingUpstream
+
+ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream.serve() as up:
+        yield up
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "fences.db"
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def proxy_config(upstream: RecordingUpstream, store_path: Path) -> Callable[..., Any]:
+    def build(routes: list[dict[str, Any]] | None = None, **top: Any) -> Any:
+        data = {
+            "store": f"sqlite:///{store_path}",
+            "routes": routes
+            or [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
+            **top,
+        }
+        return parse_config(data, "test.yaml")
+
+    return build
+
+
+@pytest.fixture
+def start_proxy(
+    aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock
+) -> ProxyFactory:
+    """Start the proxy on loopback; returns a client pointed at it."""
+
+    async def start(routes: list[dict[str, Any]] | None = None, **top: Any) -> TestClient[Any, Any]:
+        client: TestClient[Any, Any] = await aiohttp_client(
+            make_app(proxy_config(routes, **top), clock=clock)
+        )
+        return client
+
+    return start
+
+
+@pytest.fixture
+async def proxy(start_proxy: ProxyFactory) -> TestClient[Any, Any]:
+    return await start_proxy()
+
+
+def store_of(client: TestClient[Any, Any]) -> Store:
+    return client.app[STORE_KEY]  # type: ignore[index]
+
+
+async def fenced(
+    client: TestClient[Any, Any],
+    job: str | None,
+    generation: int | str | None,
+    *,
+    key: str | None = None,
+    body: Any = None,
+    path: str = "/billing/charges",
+    method: str = "POST",
+    headers: dict[str, str] | None = None,
+) -> ClientResponse:
+    h = dict(headers or {})
+    if job is not None:
+        h["Fencing-Job"] = job
+    if generation is not None:
+        h["Fencing-Token"] = str(generation)
+    if key is not None:
+        h["Idempotency-Key"] = key
+    return await client.request(method, path, json=body if body is not None else {}, headers=h)
+
+
+async def raw_request(port: int, data: bytes) -> bytes:
+    """Send bytes as they are to 127.0.0.1:port; return everything answered until close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await reader.read()
+    finally:
+        writer.close()
