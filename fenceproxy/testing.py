@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from . import hdrs
 
 __all__ = [
     "FakeClock",
+    "ProxyProcess",
     "Received",
     "RecordingUpstream",
     "drop_connection",
@@ -169,6 +174,64 @@ async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> Non
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0)
+
+
+class ProxyProcess:
+    """``fenceproxy serve`` in a real child process, for crash and signal tests.
+
+    Its output goes to a file (a pipe nobody reads would fill and stall it).
+    """
+
+    def __init__(self, config: str | os.PathLike[str], port: int, *args: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._argv = [
+            "-m", "fenceproxy", "serve", "-c", os.fspath(config),
+            "--listen", f"127.0.0.1:{port}", *args,
+        ]  # fmt: skip
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed by stop()
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self, within: float = 20.0) -> ProxyProcess:
+        """Start it and wait until it accepts connections; RuntimeError if it exits."""
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, *self._argv, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        async with asyncio.timeout(within):
+            while True:
+                if self.process.returncode is not None:
+                    raise RuntimeError(
+                        f"fenceproxy exited {self.process.returncode}: {self.output()}"
+                    )
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                except OSError:
+                    await asyncio.sleep(0.02)
+                    continue
+                writer.close()
+                return self
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def output(self) -> str:
+        """Everything it printed so far."""
+        self._log.seek(0)
+        return self._log.read().decode("utf-8", "replace")
+
+    async def wait(self, within: float = 30.0) -> int:
+        """Wait for it to exit; its exit code."""
+        assert self.process is not None
+        async with asyncio.timeout(within):
+            return await self.process.wait()
+
+    async def stop(self) -> None:
+        """SIGKILL it if it still runs, and drop its output."""
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        self._log.close()
 
 
 def free_port() -> int:

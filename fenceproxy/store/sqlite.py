@@ -82,6 +82,8 @@ class SQLiteStore(Store):
         self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
         self._closing = False
+        self.commits = 0
+        """Transactions committed so far; fewer than operations under load."""
         self.locks = JobLocks()
         """The per-job locks behind :meth:`job_lock`."""
         self._writer = asyncio.create_task(self._write_loop(), name="fenceproxy-sqlite-writer")
@@ -288,6 +290,7 @@ class SQLiteStore(Store):
             for op, _ in batch:
                 results.append(await op(self._conn))
             await self._conn.execute("COMMIT")
+            self.commits += 1
         except Exception as exc:  # an op that fails fails its whole batch, closed
             store_log.error("SQLite transaction of %d operations failed: %s", len(batch), exc)
             with contextlib.suppress(sqlite3.Error):

@@ -1,0 +1,157 @@
+"""The proxy as operators run it: a real process, killed with real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def config_file(tmp_path: Path, upstream: RecordingUpstream) -> Path:
+    path = tmp_path / "fenceproxy.yaml"
+    path.write_text(
+        f"""
+store: sqlite:///{tmp_path / "fences.db"}
+shutdown_timeout: 20s
+routes:
+  - name: billing
+    path: /billing/
+    upstream: {upstream.url}
+"""
+    )
+    return path
+
+
+@pytest.fixture
+async def spawn(config_file: Path) -> AsyncIterator[Callable[..., ProxyProcess]]:
+    started: list[ProxyProcess] = []
+    port = free_port()
+
+    def make(*args: str) -> ProxyProcess:
+        process = ProxyProcess(config_file, port, *args)
+        started.append(process)
+        return process
+
+    yield make
+    for process in started:
+        await process.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def write(
+    http: aiohttp.ClientSession, proxy: ProxyProcess, generation: int, key: str | None = None
+) -> tuple[int, dict[str, object]]:
+    headers = {"Fencing-Job": "invoice-42", "Fencing-Token": str(generation)}
+    if key:
+        headers["Idempotency-Key"] = key
+    async with http.post(
+        proxy.url + "/billing/charges", json={"g": generation}, headers=headers
+    ) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def test_fence_survives_kill_9(
+    spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, upstream: RecordingUpstream
+) -> None:
+    proxy = await spawn().start()
+    assert (await write(http, proxy, 8))[0] == 200
+    proxy.signal(signal.SIGKILL)
+    assert await proxy.wait() == -signal.SIGKILL
+
+    restarted = await spawn().start()
+    status, body = await write(http, restarted, 7)
+    assert status == 409
+    assert body["current_generation"] == 8
+    assert [r.generation for r in upstream.received] == [8]
+
+
+async def test_write_in_flight_at_kill_9_reads_as_unknown_after_restart(
+    spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, upstream: RecordingUpstream
+) -> None:
+    proxy = await spawn().start()
+    release = upstream.hold()
+    in_flight = asyncio.ensure_future(write(http, proxy, 3, key="charge-1"))
+    await upstream.wait_for(1)
+    proxy.signal(signal.SIGKILL)
+    await proxy.wait()
+    with pytest.raises(aiohttp.ClientError):
+        await in_flight
+    release()
+
+    restarted = await spawn().start()
+    status, body = await write(http, restarted, 3, key="charge-1")
+    assert status == 409
+    assert str(body["type"]).endswith("duplicate-outcome-unknown")
+    assert len(upstream.received) == 1
+
+
+async def test_sigterm_drains_writes_in_flight(
+    spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, upstream: RecordingUpstream
+) -> None:
+    proxy = await spawn().start()
+    release = upstream.hold()
+    in_flight = asyncio.ensure_future(write(http, proxy, 1, key="k"))
+    await upstream.wait_for(1)
+    proxy.signal(signal.SIGTERM)
+    # New connections are refused while the write in flight is still held.
+    refused = False
+    for _ in range(500):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.close()
+            await asyncio.sleep(0.01)
+        except OSError:
+            refused = True
+            break
+    assert refused
+    assert not in_flight.done()
+    release()
+    assert (await in_flight)[0] == 200
+    assert await proxy.wait() == 0
+
+    # The answer was recorded before the exit: a retry is replayed.
+    restarted = await spawn().start()
+    status, _ = await write(http, restarted, 1, key="k")
+    assert status == 200
+    assert len(upstream.received) == 1
+
+
+async def test_second_proxy_on_one_sqlite_file_is_refused(
+    spawn: Callable[..., ProxyProcess], config_file: Path
+) -> None:
+    await spawn().start()
+    second = ProxyProcess(config_file, free_port())
+    try:
+        with pytest.raises(RuntimeError, match="in use by another process"):
+            await second.start()
+    finally:
+        await second.stop()
+
+
+async def test_bad_config_exits_non_zero_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("routes:\n  - name: x\n    path: /x/\n    upstream: nowhere\n")
+    proxy = ProxyProcess(bad, free_port())
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            await proxy.start()
+    finally:
+        await proxy.stop()
+    message = str(caught.value)
+    assert "exited 2" in message
+    assert f"{bad}: routes[0].upstream" in message
+    assert "Traceback" not in message
