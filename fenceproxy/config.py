@@ -41,6 +41,7 @@ __all__ = [
     "parse_store_url",
 ]
 
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?", re.ASCII)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -53,6 +54,8 @@ _SIZE_UNITS = {
 
 def _duration(value: Any) -> Any:
     """Seconds as a number, or a string such as ``"250ms"``, ``"30s"``, ``"24h"``."""
+    if isinstance(value, bool):  # YAML's yes/no/on/off are not numbers
+        raise ValueError("expected seconds or a duration such as 30s, not a yes/no value")
     if isinstance(value, str):
         m = _DURATION.fullmatch(value.strip())
         if m is None:
@@ -63,6 +66,8 @@ def _duration(value: Any) -> Any:
 
 def _size(value: Any) -> Any:
     """Bytes as an integer, or a string such as ``"512KiB"``, ``"10MiB"``."""
+    if isinstance(value, bool):
+        raise ValueError("expected bytes or a size such as 10MiB, not a yes/no value")
     if isinstance(value, str):
         m = _SIZE.fullmatch(value.strip())
         if m is None:
@@ -108,7 +113,7 @@ def parse_store_url(value: str) -> StoreURL:
 def parse_listen(value: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` to a pair; raises ValueError."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
         raise ValueError("expected HOST:PORT, such as 127.0.0.1:8080 or [::1]:8080")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -223,9 +228,11 @@ class Config(_Model):
     shutdown_timeout: Duration = 30.0
     routes: tuple[RouteSpec, ...] = Field(min_length=1)
 
-    @field_validator("listen")
+    @field_validator("listen", mode="before")
     @classmethod
-    def _listen(cls, value: str) -> str:
+    def _listen(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError("expected HOST:PORT, such as 127.0.0.1:8080, not a bare port")
         parse_listen(value)
         return value
 
@@ -265,7 +272,7 @@ def _key(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" not in part:
+        elif not part.startswith("function-"):
             out += f".{part}" if out else part
     return out
 
@@ -288,9 +295,26 @@ def parse_config(data: Any, source: str, overrides: Mapping[str, str] | None = N
             key = _key(err["loc"])
             if overrides and key in overrides:
                 key = f"{key} (from --{key})"
-            msg = err["msg"].removeprefix("Value error, ").replace("uple", "ist")
+            msg = err["msg"].removeprefix("Value error, ")
+            msg = msg.replace("Tuple", "List").replace("tuple", "list")
             problems.append((key, msg))
         raise ConfigError(source, problems) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML would keep
+    the last one, so a second ``routes:`` would silently replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) -> Config:
@@ -305,7 +329,7 @@ def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) ->
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(source, [("", f"cannot read: {exc}")]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

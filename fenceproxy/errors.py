@@ -7,6 +7,7 @@
     └── Refusal                      answered to the client as RFC 9457 problem+json
         ├── NoRoute                  404  no route matches the path
         ├── BodyTooLarge             413  body above the route's limit
+        ├── UnsupportedFraming       501  a transfer coding other than chunked
         ├── FencingHeaderMissing     428  job or token header absent
         ├── FencingHeaderMalformed   400  job or token header not acceptable
         ├── IdempotencyKeyMalformed  400
@@ -51,6 +52,7 @@ __all__ = [
     "StoreError",
     "StoreLocked",
     "StoreUnavailable",
+    "UnsupportedFraming",
     "UpstreamError",
     "UpstreamFailed",
     "UpstreamTimeout",
@@ -108,15 +110,10 @@ class Refusal(FenceProxyError):
         return PROBLEM_BASE + cls.slug
 
     def problem(self, instance: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "type": self.type_uri(),
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-        }
+        body: dict[str, Any] = dict(self.extensions)
+        body.update(type=self.type_uri(), title=self.title, status=self.status, detail=self.detail)
         if instance is not None:
             body["instance"] = instance
-        body.update(self.extensions)
         return body
 
 
@@ -126,6 +123,10 @@ class NoRoute(Refusal):
 
 class BodyTooLarge(Refusal):
     slug, status, title = "body-too-large", 413, "Request body too large"
+
+
+class UnsupportedFraming(Refusal):
+    slug, status, title = "unsupported-transfer-coding", 501, "Transfer coding not supported"
 
 
 class FencingHeaderMissing(Refusal):

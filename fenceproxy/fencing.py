@@ -64,7 +64,8 @@ def parse_generation(value: str, header: str) -> int:
 
 
 def parse_job(value: str, source: str) -> str:
-    """A job id: 1 to 256 bytes of UTF-8 without control characters.
+    """A job id: 1 to 256 bytes of UTF-8 without control or invisible format
+    characters (which would let two ids look alike in logs).
 
     Raises FencingHeaderMalformed naming ``source`` (the header, or "path").
     """
@@ -75,7 +76,7 @@ def parse_job(value: str, source: str) -> str:
     if not 0 < size <= JOB_MAX_BYTES or any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
         raise FencingHeaderMalformed(
             f"the job id in {source} must be 1 to {JOB_MAX_BYTES} bytes of UTF-8 "
-            "without control characters",
+            "without control or format characters",
             header=source,
         )
     return value
