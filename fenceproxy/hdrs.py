@@ -10,6 +10,7 @@ __all__ = [
     "DEFAULT_TOKEN",
     "HOP_BY_HOP",
     "IDEMPOTENT_REPLAYED",
+    "TRANSFER_ENCODING",
     "VIA",
     "X_FORWARDED_FOR",
     "X_FORWARDED_HOST",
@@ -21,6 +22,7 @@ DEFAULT_TOKEN = istr("Fencing-Token")
 DEFAULT_KEY = istr("Idempotency-Key")
 
 IDEMPOTENT_REPLAYED = istr("Idempotent-Replayed")
+TRANSFER_ENCODING = istr("Transfer-Encoding")
 VIA = istr("Via")
 X_FORWARDED_FOR = istr("X-Forwarded-For")
 X_FORWARDED_PROTO = istr("X-Forwarded-Proto")

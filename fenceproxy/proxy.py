@@ -26,6 +26,7 @@ from .errors import (
     Refusal,
     StoreError,
     StoreUnavailable,
+    UnsupportedFraming,
     UpstreamError,
 )
 from .fencing import (
@@ -104,6 +105,10 @@ class Proxy:
         self._in_flight: dict[_InFlightKey, bytes] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        coding = request.headers.get(hdrs.TRANSFER_ENCODING)
+        if coding is not None and coding.strip().lower() != "chunked":
+            # Reject, never repair: the body would reach the upstream re-framed.
+            raise UnsupportedFraming("the only transfer coding accepted is chunked")
         raw_path = request.rel_url.raw_path
         matched = self._router.match(raw_path)
         if matched is None:
