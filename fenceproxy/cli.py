@@ -1,8 +1,9 @@
-"""The command line: ``fenceproxy serve | check-config``."""
+"""The command line: ``fenceproxy serve | check-config | demo``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from .app import make_app
 from .config import Config, load_config, parse_listen
+from .demo import run_demo
 from .errors import ConfigError, FenceProxyError
 from .log import access_log, server_log
 
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+
+    commands.add_parser("demo", help="run the worked example on loopback")
     return parser
 
 
@@ -64,6 +68,8 @@ def _serve(config: Config, log_level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        return asyncio.run(run_demo())
     try:
         config = _load(args)
         if args.command == "check-config":

@@ -1,0 +1,18 @@
+"""The worked example users run first (`make demo`) holds its expectations."""
+
+from __future__ import annotations
+
+import io
+
+from fenceproxy.demo import run_demo
+
+
+async def test_demo_runs_the_worked_example_and_passes() -> None:
+    out = io.StringIO()
+    assert await run_demo(out) == 0
+    text = out.getvalue()
+    assert "late write with generation 7 -> 409" in text
+    assert "1. generation 7" in text
+    assert "2. generation 8" in text
+    assert "3. generation" not in text
+    assert "all expectations held" in text
