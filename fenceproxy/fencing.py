@@ -73,7 +73,9 @@ def parse_job(value: str, source: str) -> str:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError:  # surrogate-escaped bytes that were not UTF-8
         size = -1
-    if not 0 < size <= JOB_MAX_BYTES or any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+    if not 0 < size <= JOB_MAX_BYTES or any(
+        unicodedata.category(c) in ("Cc", "Cf", "Cs") for c in value
+    ):
         raise FencingHeaderMalformed(
             f"the job id in {source} must be 1 to {JOB_MAX_BYTES} bytes of UTF-8 "
             "without control or format characters",

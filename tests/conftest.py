@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
+from hypothesis import settings
 
 from fenceproxy.app import STORE_KEY, make_app
 from fenceproxy.config import parse_config
@@ -101,3 +103,10 @@ async def raw_request(port: int, data: bytes) -> bytes:
         return await reader.read()
     finally:
         writer.close()
+
+
+# CI runs the property tests on a fixed seed so a landing is reproducible; locally
+# each run explores new examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
