@@ -21,13 +21,18 @@ PROXY_KEY = web.AppKey("proxy", Proxy)
 
 
 def make_app(
-    config: Config, *, store: Store | None = None, clock: Callable[[], float] = time.time
+    config: Config,
+    *,
+    store: Store | None = None,
+    clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> web.Application:
     """The proxy as an aiohttp application.
 
     The store named in ``config`` is opened at start-up and closed at clean-up,
-    unless ``store`` is given, which the caller then owns. Start-up fails with
-    StoreError when the store cannot be opened.
+    unless ``store`` is given, which the caller then owns. ``clock`` is the store's
+    wall clock (key expiry), ``monotonic`` the proxy's (quarantines). Start-up fails
+    with StoreError when the store cannot be opened.
     """
     app = web.Application(middlewares=[problem_middleware], handler_args={"max_headers": 100})
     app[CONFIG_KEY] = config
@@ -40,16 +45,18 @@ def make_app(
         )
         upstreams = UpstreamPool(router)
         app[STORE_KEY] = opened
-        app[PROXY_KEY] = Proxy(
+        app[PROXY_KEY] = proxy = Proxy(
             router,
             opened,
             upstreams,
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
+            monotonic=monotonic,
         )
         try:
             yield
         finally:
+            await proxy.close()
             await upstreams.close()
             if owned:
                 await opened.close()

@@ -78,6 +78,7 @@ def _size(value: Any) -> Any:
 
 Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0, allow_inf_nan=False)]
 Size = Annotated[int, BeforeValidator(_size), Field(ge=0, strict=False)]
+OptionalDuration = Annotated[float, BeforeValidator(_duration), Field(ge=0, allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
@@ -168,6 +169,8 @@ class RouteSpec(_Model):
     """None for a pass-through route (``fence: false``)."""
     timeout: Duration = 30.0
     connect_timeout: Duration = 5.0
+    quarantine: OptionalDuration = 60.0
+    """After a write whose outcome is unknown, refuse the job's writes this long."""
     max_body: Size = 10 * 1024 * 1024
 
     @field_validator("fence", mode="before")

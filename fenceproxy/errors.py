@@ -18,6 +18,7 @@
         ├── DuplicateNotStored       409  the key completed, its response was too large to keep
         ├── KeyReused                422  the same key with another method, path or body
         ├── StoreUnavailable         503  the fence could not be read or recorded
+        ├── JobQuarantined           503  an earlier write of the job has an unknown outcome
         └── UpstreamError                 the upstream did not give an answer
             ├── UpstreamUnreachable  502  connection refused: nothing was sent, key released
             ├── UpstreamFailed       502  reset or malformed answer after sending: outcome unknown
@@ -45,6 +46,7 @@ __all__ = [
     "FencingHeaderMalformed",
     "FencingHeaderMissing",
     "IdempotencyKeyMalformed",
+    "JobQuarantined",
     "KeyReused",
     "NoRoute",
     "Refusal",
@@ -100,9 +102,11 @@ class Refusal(FenceProxyError):
     status: ClassVar[int]
     title: ClassVar[str]
 
-    def __init__(self, detail: str, **extensions: Any) -> None:
+    def __init__(self, detail: str, *, retry_after: float | None = None, **extensions: Any) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.retry_after = retry_after
+        """Seconds after which trying again may succeed; sent as ``Retry-After``."""
         self.extensions = extensions
 
     @classmethod
@@ -179,6 +183,14 @@ class KeyReused(Refusal):
 
 class StoreUnavailable(Refusal):
     slug, status, title = "store-unavailable", 503, "Fencing store unavailable"
+
+
+class JobQuarantined(Refusal):
+    slug, status, title = (
+        "job-quarantined",
+        503,
+        "An earlier write of this job may still be applied by the upstream",
+    )
 
 
 class UpstreamError(Refusal):

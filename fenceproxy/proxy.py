@@ -1,18 +1,31 @@
 """The request path: route, decide, forward, answer.
 
-For a fenced write: parse the fencing headers, take the job's lock (writes of one
-job go one at a time, first come first served), let the store decide and commit
-the fence, forward, release the lock once the upstream has answered, stream the
-answer back and record it under the idempotency key. Every refusal is raised as a
-:class:`~fenceproxy.errors.Refusal` and rendered by :func:`problem_middleware`.
+A fenced write goes through these steps:
+
+1. its fencing headers are parsed and its body is read in full (up to the route's
+   ``max_body``), so nothing the client does later can hold up the job;
+2. it waits for its job's turn (writes of one job go one at a time, first come
+   first served);
+3. the store decides and commits the new fence and the key's *in flight* mark;
+4. it is forwarded; the job's next write may go once the upstream has answered;
+5. for a keyed write, the answer is committed under the key *before* it is sent
+   back, so an answer the client got can always be replayed.
+
+When the upstream may still be applying a write whose outcome is unknown (it timed
+out, or the connection broke after sending), the job is quarantined for the
+route's ``quarantine`` time, so no newer write can overtake it there.
+
+Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
+:func:`problem_middleware`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -22,6 +35,7 @@ from . import hdrs
 from .errors import (
     BodyTooLarge,
     FencingHeaderMissing,
+    JobQuarantined,
     NoRoute,
     Refusal,
     StoreError,
@@ -49,15 +63,20 @@ from .upstream import (
     TrustedProxies,
     UpstreamPool,
     forwarded_headers,
+    map_client_error,
     replayable_headers,
     response_headers,
 )
 
-__all__ = ["PROBLEM_JSON", "Proxy", "problem_middleware"]
+__all__ = ["PROBLEM_JSON", "Proxy", "problem_middleware", "problem_response"]
 
+T = TypeVar("T")
+# What became of an admitted keyed write: the upstream's answer, or one of these.
+_Outcome = StoredResponse | Literal["unknown", "not-sent"]
 PROBLEM_JSON = "application/problem+json"
 _CHUNK = 64 * 1024
-_InFlightKey = tuple[str, str, str]
+_SETTLE_RETRY = 1.0
+_Slot = tuple[str, str, str]
 
 
 @web.middleware
@@ -80,7 +99,12 @@ async def problem_middleware(
 
 
 def problem_response(refusal: Refusal) -> web.Response:
-    return web.json_response(refusal.problem(), status=refusal.status, content_type=PROBLEM_JSON)
+    response = web.json_response(
+        refusal.problem(), status=refusal.status, content_type=PROBLEM_JSON
+    )
+    if refusal.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, round(refusal.retry_after + 0.499)))
+    return response
 
 
 class Proxy:
@@ -94,15 +118,20 @@ class Proxy:
         *,
         trusted: TrustedProxies,
         max_stored_response: int,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._router = router
         self._store = store
         self._upstreams = upstreams
         self._trusted = trusted
         self._max_stored = max_stored_response
-        # Keyed writes of this process between arrival and settling: a duplicate is
-        # answered at once instead of queueing behind the original.
-        self._in_flight: dict[_InFlightKey, bytes] = {}
+        self._monotonic = monotonic
+        # Keyed writes of this process from arrival until the store has their final
+        # state: a duplicate is answered at once rather than queued behind the
+        # original, and a state the store could not take yet is still honoured.
+        self._keys: dict[_Slot, KeyRecord] = {}
+        self._quarantine: dict[str, float] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         coding = request.headers.get(hdrs.TRANSFER_ENCODING)
@@ -118,39 +147,30 @@ class Proxy:
             return await self._pass_through(request, route)
         return await self._fenced(request, route, path_job)
 
+    async def close(self) -> None:
+        """Stop retrying key settlements (a restart reads them as unknown)."""
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     # -- unfenced ---------------------------------------------------------------
 
     async def _pass_through(self, request: web.Request, route: Route) -> web.StreamResponse:
         _check_length(request, route)
-        upstream = await self._send(request, route, None)
+        stream = _LimitedBody(request, route.max_body) if request.body_exists else None
+        headers = forwarded_headers(request, self._trusted, request.content_length)
         try:
-            return (await _relay(request, upstream, capture=None)).response
-        finally:
-            upstream.release()
-
-    async def _send(
-        self, request: web.Request, route: Route, body: bytes | None
-    ) -> aiohttp.ClientResponse:
-        """Forward the request with ``body``, or with the client's body streamed
-        under the route's limit when ``body`` is None."""
-        stream = None
-        if body is None and request.body_exists:
-            stream = _LimitedBody(request, route.max_body)
-        headers = forwarded_headers(
-            request, self._trusted, request.content_length if body is None else None
-        )
-        try:
-            return await self._upstreams.send(
-                route,
-                request.method,
-                request.rel_url.raw_path_qs,
-                headers,
-                body if body is not None else stream,
+            upstream = await self._upstreams.send(
+                route, request.method, request.rel_url.raw_path_qs, headers, stream
             )
         except UpstreamError as exc:
             if stream is not None and stream.too_large:
                 raise BodyTooLarge(_too_large(route), max_body=route.max_body) from exc
             raise
+        try:
+            return await _relay(request, upstream)
+        finally:
+            upstream.release()
 
     # -- fenced -----------------------------------------------------------------
 
@@ -162,34 +182,32 @@ class Proxy:
         h = request.headers
         if path_job is None:
             assert fence.job_header is not None
-            raw_job = h.get(fence.job_header)
-            job_source = str(fence.job_header)
+            raw_job, job_source = h.get(fence.job_header), str(fence.job_header)
         else:
             raw_job, job_source = path_job, "path"
         raw_token = h.get(fence.token_header)
-        missing = [
-            name
-            for name, value in ((job_source, raw_job), (str(fence.token_header), raw_token))
-            if value is None
-        ]
-        if missing:
+        if raw_job is None or raw_token is None:
+            missing = [
+                name
+                for name, value in ((job_source, raw_job), (str(fence.token_header), raw_token))
+                if value is None
+            ]
             raise FencingHeaderMissing(
                 f"a fenced {request.method} needs the header(s) {', '.join(missing)}",
                 missing=missing,
             )
-        assert raw_job is not None
-        assert raw_token is not None
         job = parse_job(raw_job, job_source)
         generation = parse_generation(raw_token, str(fence.token_header))
         raw_key = h.get(fence.key_header)
+        key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
-
-        if raw_key is None:
-            write = FencedWrite(route.name, job, generation)
-            return await self._forward_fenced(request, route, write, None)
-
-        key = parse_key(raw_key, str(fence.key_header))
         body = await _read_limited(request, route)
+
+        if key is None:
+            return await self._forward_fenced(
+                request, route, FencedWrite(route.name, job, generation), body
+            )
+
         write = FencedWrite(
             route.name,
             job,
@@ -199,58 +217,102 @@ class Proxy:
             replay=fence.replay,
         )
         slot = (route.name, job, key)
-        if (held := self._in_flight.get(slot)) is not None:
-            decision = decide(write, None, KeyRecord(KeyState.IN_FLIGHT, held))
-            assert isinstance(decision, Refusal)
-            raise decision
+        if (record := self._keys.get(slot)) is not None:
+            decision = decide(write, None, record)
+            if isinstance(decision, Refusal):
+                raise decision
+            assert isinstance(decision, Replay)
+            return _replay(decision.response)
         assert write.fingerprint is not None
-        self._in_flight[slot] = write.fingerprint
+        self._keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint)
         try:
             return await self._forward_fenced(request, route, write, body)
         finally:
-            del self._in_flight[slot]
+            record = self._keys.get(slot)
+            if record is not None and record.state is KeyState.IN_FLIGHT:
+                del self._keys[slot]  # settled in the store, or never reserved there
 
     async def _forward_fenced(
-        self, request: web.Request, route: Route, write: FencedWrite, body: bytes | None
+        self, request: web.Request, route: Route, write: FencedWrite, body: bytes
     ) -> web.StreamResponse:
+        """Forward an admitted write in its job's turn; settle its key exactly once."""
         keyed = write.key is not None
-        async with self._store.job_lock(write.job):
-            decision = await self._admit(write)
-            if isinstance(decision, Replay):
-                return _replay(decision.response)
-            try:
-                upstream = await self._send(request, route, body)
-            except UpstreamError as exc:
-                if keyed:
-                    await self._settle_failed(write, sent=exc.sent)
-                raise
-            except BaseException:
-                if keyed:
-                    await self._settle_failed(write, sent=True)
-                raise
-        # The upstream has answered: the next write of this job may go now.
+        # What the key becomes if this ends early; None while the store holds no key.
+        outcome: _Outcome | None = None
         try:
-            relayed = await _relay(request, upstream, self._max_stored if keyed else None)
-        except BaseException:
-            if keyed:
-                await self._settle_failed(write, sent=True)
-            raise
-        finally:
-            upstream.release()
-        if keyed:
-            if relayed.complete:
-                stored = StoredResponse(upstream.status, replayable_headers(upstream), relayed.body)
+            async with self._store.job_lock(write.job):
+                decision = await self._admit(write)
+                if isinstance(decision, Replay):
+                    return _replay(decision.response)
+                outcome = "not-sent"
+                self._check_quarantine(write.job)
+                outcome = "unknown"  # from here on the write may reach the upstream
+                headers = forwarded_headers(request, self._trusted, None)
                 try:
-                    await _shielded(self._store.complete_key(write, stored))
-                except StoreError as exc:
-                    proxy_log.error("could not record the answer for key %r: %s", write.key, exc)
-            else:
-                await self._settle_failed(write, sent=True)
-        return relayed.response
+                    upstream = await self._upstreams.send(
+                        route, request.method, request.rel_url.raw_path_qs, headers, body
+                    )
+                except UpstreamError as exc:
+                    if exc.sent:
+                        self._quarantine_job(write.job, route)
+                    else:
+                        outcome = "not-sent"
+                    raise
+            # The upstream has answered: the job's next write may go now.
+            try:
+                if not keyed:
+                    return await _relay(request, upstream)
+                try:
+                    answer, whole = await _read_capped(upstream, self._max_stored)
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raise map_client_error(exc) from exc
+                stored = StoredResponse(
+                    upstream.status, replayable_headers(upstream), answer if whole else None
+                )
+                outcome = None
+                await self._settle(write, stored)
+                if whole:
+                    return _answer(upstream, answer)
+                return await _relay(request, upstream, prefix=answer)
+            finally:
+                upstream.release()
+        finally:
+            if keyed and outcome is not None:
+                await self._settle(write, outcome)
+
+    def _check_quarantine(self, job: str) -> None:
+        until = self._quarantine.get(job)
+        if until is None:
+            return
+        left = until - self._monotonic()
+        if left <= 0:
+            del self._quarantine[job]
+            return
+        raise JobQuarantined(
+            "an earlier write of this job got no answer and may still be applied by the "
+            "upstream; its later writes are refused until then so none can overtake it",
+            retry_after=left,
+            job=job,
+        )
+
+    def _quarantine_job(self, job: str, route: Route) -> None:
+        if route.quarantine > 0:
+            proxy_log.warning(
+                "job %r quarantined for %.1fs: a write's outcome is unknown", job, route.quarantine
+            )
+            self._quarantine[job] = self._monotonic() + route.quarantine
 
     async def _admit(self, write: FencedWrite) -> Admit | Replay:
+        """The store's decision, committed. If the request is cancelled meanwhile, a
+        key the store reserved is released again: nothing was sent."""
+        admitting = asyncio.ensure_future(self._store.admit(write))
         try:
-            decision = await self._store.admit(write)
+            decision = await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                if isinstance(await admitting, Admit) and write.key is not None:
+                    await self._settle(write, "not-sent")
+            raise
         except StoreError as exc:
             proxy_log.error("store failed, refusing the write: %s", exc)
             raise StoreUnavailable(
@@ -260,21 +322,57 @@ class Proxy:
             raise decision
         return decision
 
-    async def _settle_failed(self, write: FencedWrite, *, sent: bool) -> None:
-        """A keyed write that got no full answer: forget its key if it never left,
-        else keep it as outcome unknown."""
-        settle = self._store.mark_unknown(write) if sent else self._store.forget_key(write)
+    async def _settle(self, write: FencedWrite, outcome: _Outcome) -> None:
+        """Record what became of a keyed write: its answer, unknown, or not sent
+        (the key is released). Survives cancellation; if the store fails, the
+        state is kept in memory (so retries are answered by it) and retried."""
+        assert write.key is not None
+        assert write.fingerprint is not None
+        slot = (write.route, write.job, write.key)
         try:
-            await _shielded(settle)
+            await _shielded(self._store_settlement(write, outcome))
         except StoreError as exc:
-            proxy_log.error("could not settle idempotency key %r: %s", write.key, exc)
+            proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
+            self._keys[slot] = _record(write.fingerprint, outcome)
+            task = asyncio.create_task(self._settle_later(write, outcome))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            self._keys.pop(slot, None)
+
+    async def _settle_later(self, write: FencedWrite, outcome: _Outcome) -> None:
+        assert write.key is not None
+        while True:
+            await asyncio.sleep(_SETTLE_RETRY)
+            try:
+                await self._store_settlement(write, outcome)
+            except StoreError:
+                continue
+            self._keys.pop((write.route, write.job, write.key), None)
+            return
+
+    def _store_settlement(self, write: FencedWrite, outcome: _Outcome) -> Awaitable[None]:
+        if isinstance(outcome, StoredResponse):
+            return self._store.complete_key(write, outcome)
+        if outcome == "unknown":
+            return self._store.mark_unknown(write)
+        return self._store.forget_key(write)
 
 
-async def _shielded(work: Awaitable[None]) -> None:
+def _record(fp: bytes, outcome: _Outcome) -> KeyRecord:
+    """The in-memory stand-in for a settlement the store has not taken yet. A key
+    not sent but still reserved in the store reads as unknown until then: never
+    let a duplicate through on a guess."""
+    if isinstance(outcome, StoredResponse):
+        return KeyRecord(KeyState.COMPLETED, fp, outcome)
+    return KeyRecord(KeyState.UNKNOWN, fp)
+
+
+async def _shielded(work: Awaitable[T]) -> T:
     """Finish a store write even if the request is being cancelled."""
     task = asyncio.ensure_future(work)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
             await task
@@ -321,6 +419,23 @@ class _LimitedBody:
             yield chunk
 
 
+async def _read_capped(upstream: aiohttp.ClientResponse, cap: int) -> tuple[bytes, bool]:
+    """Up to a little over ``cap`` bytes of the answer, and whether that is all of it.
+    Raises the client error if the upstream breaks off."""
+    data = bytearray()
+    async for chunk in upstream.content.iter_any():
+        data += chunk
+        if len(data) > cap:
+            return bytes(data), False
+    return bytes(data), True
+
+
+def _answer(upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
+    headers = response_headers(upstream)
+    headers.popall("Content-Length", None)
+    return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
+
+
 def _replay(stored: StoredResponse) -> web.Response:
     assert stored.body is not None
     headers: CIMultiDict[str] = CIMultiDict(stored.headers)
@@ -328,48 +443,26 @@ def _replay(stored: StoredResponse) -> web.Response:
     return web.Response(status=stored.status, headers=headers, body=stored.body)
 
 
-@dataclass(slots=True)
-class _Relayed:
-    response: web.StreamResponse
-    complete: bool
-    """The whole answer was read from the upstream."""
-    body: bytes | None
-    """The answer's body, when captured and not longer than the cap."""
-
-
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, capture: int | None
-) -> _Relayed:
-    """Stream the upstream's answer to the client, keeping a copy of up to
-    ``capture`` bytes. A client that goes away does not stop the read, so a keyed
-    write still learns its outcome; an upstream that breaks off mid-answer gets the
-    client's connection closed, so the client never takes a cut answer for whole."""
+    request: web.Request, upstream: aiohttp.ClientResponse, prefix: bytes = b""
+) -> web.StreamResponse:
+    """Stream the upstream's answer (after ``prefix``, already read from it) to the
+    client. If the upstream breaks off mid-answer the client's connection is closed,
+    so the client never takes a cut answer for a whole one."""
     response = web.StreamResponse(
         status=upstream.status, reason=upstream.reason, headers=response_headers(upstream)
     )
-    copy: bytearray | None = bytearray() if capture is not None else None
-    client_gone = False
     try:
         await response.prepare(request)
-    except ConnectionError:
-        client_gone = True
-    try:
+        if prefix:
+            await response.write(prefix)
         async for chunk in upstream.content.iter_any():
-            if copy is not None:
-                copy += chunk
-                if capture is not None and len(copy) > capture:
-                    copy = None
-            if not client_gone:
-                try:
-                    await response.write(chunk)
-                except ConnectionError:
-                    client_gone = True
+            await response.write(chunk)
+        await response.write_eof()
     except (TimeoutError, aiohttp.ClientError) as exc:
         proxy_log.warning("upstream answer cut short: %s", type(exc).__name__)
         if request.transport is not None:
             request.transport.close()
-        return _Relayed(response, complete=False, body=None)
-    if not client_gone:
-        with contextlib.suppress(ConnectionError):
-            await response.write_eof()
-    return _Relayed(response, complete=True, body=bytes(copy) if copy is not None else None)
+    except ConnectionError:
+        pass  # the client went away
+    return response

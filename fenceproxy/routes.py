@@ -40,6 +40,7 @@ class Route:
     fence: Fence | None
     timeout: float
     connect_timeout: float
+    quarantine: float
     max_body: int
     _prefix: str
     _pattern: re.Pattern[str] | None
@@ -73,6 +74,7 @@ class Route:
             fence=fence,
             timeout=spec.timeout,
             connect_timeout=spec.connect_timeout,
+            quarantine=spec.quarantine,
             max_body=spec.max_body,
             _prefix=quote(spec.path, safe=_PATH_SAFE),
             _pattern=pattern,

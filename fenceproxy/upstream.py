@@ -33,6 +33,8 @@ __all__ = [
 _VIA = "fenceproxy"
 # Set by the proxy itself or by aiohttp's framing, never copied from the client.
 _NOT_FORWARDED = hdrs.HOP_BY_HOP | {istr("Host"), istr("Content-Length"), istr("Expect")}
+# What a client may claim about itself; believed only from a trusted proxy.
+_CLIENT_CLAIMS = (istr("Forwarded"), istr("X-Real-IP"))
 _NOT_RETURNED = hdrs.HOP_BY_HOP
 _NOT_STORED = hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA}
 
@@ -66,9 +68,10 @@ def forwarded_headers(
     request: web.BaseRequest, trusted: TrustedProxies, body_length: int | None
 ) -> CIMultiDict[str]:
     """The headers to send upstream: the client's, less hop-by-hop ones, plus
-    X-Forwarded-For/-Proto/-Host and Via. Incoming X-Forwarded-* values are kept
-    only from a trusted peer. ``body_length`` is the Content-Length the aiohttp
-    server already enforced on the incoming body, or None to let aiohttp frame it."""
+    X-Forwarded-For/-Proto/-Host and Via. Incoming X-Forwarded-*, Forwarded and
+    X-Real-IP values are kept only from a trusted peer. ``body_length`` is the
+    Content-Length the aiohttp server already enforced on a body streamed through,
+    or None to let aiohttp frame the body (a buffered body gets its exact length)."""
     incoming = request.headers
     drop = _NOT_FORWARDED | _connection_named(incoming)
     out: CIMultiDict[str] = CIMultiDict(
@@ -76,6 +79,9 @@ def forwarded_headers(
     )
     peer = request.remote
     believe = peer in trusted
+    if not believe:
+        for name in _CLIENT_CLAIMS:
+            out.popall(name, None)
     prior_for = incoming.get(hdrs.X_FORWARDED_FOR) if believe else None
     out[hdrs.X_FORWARDED_FOR] = f"{prior_for}, {peer}" if prior_for else (peer or "unknown")
     if not (believe and hdrs.X_FORWARDED_PROTO in incoming):

@@ -36,6 +36,12 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
+def monotonic() -> FakeClock:
+    """The proxy's monotonic clock (quarantines)."""
+    return FakeClock(0.0)
+
+
+@pytest.fixture
 def proxy_config(upstream: RecordingUpstream, store_path: Path) -> Callable[..., Any]:
     def build(routes: list[dict[str, Any]] | None = None, **top: Any) -> Any:
         data = {
@@ -51,14 +57,20 @@ def proxy_config(upstream: RecordingUpstream, store_path: Path) -> Callable[...,
 
 @pytest.fixture
 def start_proxy(
-    aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock
+    aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock, monotonic: FakeClock
 ) -> ProxyFactory:
-    """Start the proxy on loopback; returns a client pointed at it."""
+    """Start the proxy on loopback; returns a client pointed at it. ``store`` and
+    ``server_kwargs`` go to make_app and the test server, the rest to the config."""
 
-    async def start(routes: list[dict[str, Any]] | None = None, **top: Any) -> TestClient[Any, Any]:
-        client: TestClient[Any, Any] = await aiohttp_client(
-            make_app(proxy_config(routes, **top), clock=clock)
-        )
+    async def start(
+        routes: list[dict[str, Any]] | None = None,
+        *,
+        store: Store | None = None,
+        server_kwargs: dict[str, Any] | None = None,
+        **top: Any,
+    ) -> TestClient[Any, Any]:
+        app = make_app(proxy_config(routes, **top), store=store, clock=clock, monotonic=monotonic)
+        client: TestClient[Any, Any] = await aiohttp_client(app, server_kwargs=server_kwargs or {})
         return client
 
     return start

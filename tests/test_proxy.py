@@ -409,6 +409,8 @@ async def test_headers_forwarded_and_hop_by_hop_dropped(
             "Keep-Alive": "timeout=5",
             "Proxy-Authorization": "Basic eA==",
             "X-Forwarded-For": "6.6.6.6",
+            "Forwarded": "for=6.6.6.6;proto=https",
+            "X-Real-IP": "6.6.6.6",
             "X-App": "kept",
         },
     )
@@ -419,7 +421,7 @@ async def test_headers_forwarded_and_hop_by_hop_dropped(
     assert got["Fencing-Token"] == "3"
     assert got["Idempotency-Key"] == "k"
     assert got["X-App"] == "kept"
-    for hop in ["X-Secret-Hop", "Keep-Alive", "Proxy-Authorization"]:
+    for hop in ["X-Secret-Hop", "Keep-Alive", "Proxy-Authorization", "Forwarded", "X-Real-IP"]:
         assert hop not in got
     assert got["X-Forwarded-For"] == "127.0.0.1"  # the untrusted client's value is replaced
     assert got["X-Forwarded-Proto"] == "http"

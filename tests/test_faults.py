@@ -1,0 +1,162 @@
+"""Faults around a fenced write: stalled clients, unknown outcomes, a store that
+fails or stalls at the worst moment, a handler cancelled mid-decision."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from fenceproxy.errors import StoreError
+from fenceproxy.fencing import FencedWrite, Replay, StoredResponse, fingerprint
+from fenceproxy.store import SQLiteStore
+from fenceproxy.testing import FakeClock, Received, RecordingUpstream
+
+from .conftest import ProxyFactory, fenced
+from .test_proxy import problem
+
+
+class FaultyStore(SQLiteStore):
+    """A real SQLite store whose chosen operations fail or wait on a gate."""
+
+    fail_complete = 0
+    gate: asyncio.Event | None = None
+    gated: str = ""
+    entered: asyncio.Event
+
+    async def _maybe_wait(self, name: str) -> None:
+        if self.gated == name and self.gate is not None:
+            self.entered.set()
+            await self.gate.wait()
+
+    async def admit(self, write: FencedWrite) -> Any:
+        await self._maybe_wait("admit")
+        return await super().admit(write)
+
+    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
+        await self._maybe_wait("complete_key")
+        if self.fail_complete:
+            self.fail_complete -= 1
+            raise StoreError("disk I/O error (injected)")
+        await super().complete_key(write, response)
+
+
+@pytest.fixture
+async def faulty(store_path: Path) -> Any:
+    store = await FaultyStore.open(store_path)
+    store.entered = asyncio.Event()
+    yield store
+    await store.close()
+
+
+def gate(store: FaultyStore, operation: str) -> asyncio.Event:
+    store.gate = asyncio.Event()
+    store.gated = operation
+    return store.gate
+
+
+async def test_stalled_upload_does_not_hold_up_the_job(
+    proxy: Any, upstream: RecordingUpstream
+) -> None:
+    _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\nFencing-Job: j\r\nFencing-Token: 1\r\n"
+        b'Content-Length: 10\r\n\r\n{"a":'
+    )
+    await writer.drain()
+    async with asyncio.timeout(5):
+        assert (await fenced(proxy, "j", 2, body={"b": 1})).status == 200
+    writer.close()
+    assert upstream.bodies() == [{"b": 1}]
+
+
+async def test_unknown_outcome_quarantines_the_job(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, monotonic: FakeClock
+) -> None:
+    proxy = await start_proxy(
+        [
+            {
+                "name": "billing",
+                "path": "/billing/",
+                "upstream": upstream.url,
+                "timeout": "200ms",
+                "quarantine": "30s",
+            }
+        ]
+    )
+    slow = asyncio.Event()
+
+    async def slow_for_j(request: web.Request, received: Received) -> web.StreamResponse:
+        if received.job == "j":
+            await slow.wait()
+        return web.Response(text="ok")
+
+    upstream.respond = slow_for_j
+    await problem(await fenced(proxy, "j", 7, body={"w": 7}), 504, "upstream-timeout")
+    # Generation 8 must not overtake 7, which the upstream may still apply.
+    refused = await fenced(proxy, "j", 8, body={"w": 8})
+    body = await problem(refused, 503, "job-quarantined")
+    assert body["job"] == "j"
+    assert refused.headers["Retry-After"] == "30"
+    assert (await fenced(proxy, "other", 1, body={"w": "other"})).status == 200
+    slow.set()
+    monotonic.advance(31)
+    assert (await fenced(proxy, "j", 8, body={"w": 8})).status == 200
+    assert [r.body for r in upstream.received if r.job == "j"] == [b'{"w": 7}', b'{"w": 8}']
+
+
+async def test_answer_is_recorded_before_the_client_gets_it(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(store=faulty)
+    recorded = gate(faulty, "complete_key")
+    answer = asyncio.ensure_future(fenced(proxy, "j", 1, key="k"))
+    await asyncio.wait_for(faulty.entered.wait(), 5)
+    await asyncio.sleep(0.05)  # room for an answer that must not come: nothing to poll
+    assert not answer.done()
+    recorded.set()
+    assert (await answer).status == 200
+
+
+async def test_failed_key_record_is_kept_in_memory_and_retried(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(store=faulty)
+    faulty.fail_complete = 1
+    first = await fenced(proxy, "j", 1, key="k", body={"a": 1})
+    assert first.status == 200
+    retry = await fenced(proxy, "j", 1, key="k", body={"a": 1})
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert await retry.json() == await first.json()
+    # The record reaches the store on a later try, and is then answered from there.
+    got = upstream.received[0]
+    write = FencedWrite(
+        "billing", "j", 1, key="k", fingerprint=fingerprint(got.method, got.path_qs, got.body)
+    )
+    async with asyncio.timeout(10):
+        while not isinstance(await faulty.admit(write), Replay):
+            await asyncio.sleep(0.1)
+    assert len(upstream.received) == 1
+
+
+async def test_cancelled_admission_releases_the_key(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(store=faulty, server_kwargs={"handler_cancellation": True})
+    admitting = gate(faulty, "admit")
+    attempt = asyncio.ensure_future(fenced(proxy, "j", 1, key="k", body={"a": 1}))
+    await asyncio.wait_for(faulty.entered.wait(), 5)
+    attempt.cancel()  # the client gives up; the server cancels its handler
+    with pytest.raises(asyncio.CancelledError):
+        await attempt
+    faulty.gated = ""
+    admitting.set()
+    # The key is released, not stranded in flight: a retry soon goes through.
+    async with asyncio.timeout(5):
+        while (retry := await fenced(proxy, "j", 1, key="k", body={"a": 1})).status != 200:
+            await problem(retry, 409, "duplicate-in-flight")
+            await asyncio.sleep(0.05)
+    assert len(upstream.received) == 1
