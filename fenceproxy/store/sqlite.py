@@ -266,7 +266,7 @@ class SQLiteStore(Store):
         await self._submit(op)
 
     async def _submit(self, op: _Op) -> Any:
-        if self._closing:
+        if self._closing or self._writer.done():
             raise StoreError("the store is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((op, future))
@@ -293,7 +293,7 @@ class SQLiteStore(Store):
             self.commits += 1
         except Exception as exc:  # an op that fails fails its whole batch, closed
             store_log.error("SQLite transaction of %d operations failed: %s", len(batch), exc)
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(Exception):
                 await self._conn.execute("ROLLBACK")
             error = StoreError(f"SQLite store failed: {exc}")
             for _, future in batch:
