@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from .config import Config, parse_store_url
+from .leases.service import LeaseService
 from .proxy import Proxy, problem_middleware
 from .routes import Router
 from .store import Store, open_store
@@ -37,6 +38,7 @@ def make_app(
     app = web.Application(middlewares=[problem_middleware], handler_args={"max_headers": 100})
     app[CONFIG_KEY] = config
     router = Router(config.routes)
+    leases = LeaseService(config.leases) if config.leases is not None else None
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         owned = store is None
@@ -45,6 +47,8 @@ def make_app(
         )
         upstreams = UpstreamPool(router)
         app[STORE_KEY] = opened
+        if leases is not None:
+            leases.store = opened
         app[PROXY_KEY] = proxy = Proxy(
             router,
             opened,
@@ -65,5 +69,7 @@ def make_app(
         return await request.app[PROXY_KEY].handle(request)
 
     app.cleanup_ctx.append(resources)
+    if leases is not None:
+        app.router.add_routes(leases.routes())  # before the catch-all: the prefix wins
     app.router.add_route("*", "/{tail:.*}", handle)
     return app

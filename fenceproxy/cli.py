@@ -1,9 +1,10 @@
-"""The command line: ``fenceproxy serve | check-config | demo``."""
+"""The command line: ``fenceproxy serve | check-config | demo | lease``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -11,9 +12,10 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from .app import make_app
+from .client import LeaseClient
 from .config import Config, load_config, parse_listen
 from .demo import run_demo
-from .errors import ConfigError, FenceProxyError
+from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
 from .log import access_log, server_log
 
 __all__ = ["main"]
@@ -36,6 +38,20 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
 
     commands.add_parser("demo", help="run the worked example on loopback")
+
+    lease = commands.add_parser(
+        "lease",
+        help="claim, renew, complete, release or show a lease (for scripts in any language)",
+        description="Print the lease service's JSON reply. Exit 0 on success, 1 when the "
+        "service refuses (the problem is printed), 3 when it cannot be reached.",
+    )
+    lease.add_argument("action", choices=["claim", "renew", "complete", "release", "show"])
+    lease.add_argument("job")
+    lease.add_argument("--url", default="http://127.0.0.1:8080", help="the proxy's address")
+    lease.add_argument("--prefix", default="/_leases")
+    lease.add_argument("--owner", help="who holds the lease (all but show)")
+    lease.add_argument("--generation", type=int, help="the lease's generation (renew, ...)")
+    lease.add_argument("--ttl", type=float, help="seconds (claim, renew)")
     return parser
 
 
@@ -66,10 +82,40 @@ def _serve(config: Config, log_level: str) -> None:
     )
 
 
+async def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.action != "show" and not args.owner:
+        parser.error(f"lease {args.action} needs --owner")
+    if args.action in ("renew", "complete", "release") and args.generation is None:
+        parser.error(f"lease {args.action} needs --generation")
+    async with LeaseClient(args.url, prefix=args.prefix) as client:
+        try:
+            if args.action == "claim":
+                reply = (await client.claim(args.job, args.owner, args.ttl)).record
+            elif args.action == "renew":
+                grant = await client.renew(args.job, args.owner, args.generation, args.ttl)
+                reply = grant.record
+            elif args.action == "show":
+                reply = await client.show(args.job)
+            else:
+                call = client.complete if args.action == "complete" else client.release
+                reply = await call(args.job, args.owner, args.generation)
+        except LeaseRefused as exc:
+            print(json.dumps(exc.problem, indent=2))
+            return 1
+        except (LeaseServiceError, LeaseLost) as exc:
+            print(f"fenceproxy: {exc}", file=sys.stderr)
+            return 3
+    print(json.dumps(reply, indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(run_demo())
+    if args.command == "lease":
+        return asyncio.run(_lease(parser, args))
     try:
         config = _load(args)
         if args.command == "check-config":

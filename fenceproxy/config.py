@@ -33,6 +33,7 @@ __all__ = [
     "Config",
     "FenceSpec",
     "IdempotencySpec",
+    "LeasesSpec",
     "RouteSpec",
     "StoreURL",
     "load_config",
@@ -214,6 +215,28 @@ class RouteSpec(_Model):
         return value
 
 
+class LeasesSpec(_Model):
+    """The lease API, served by the proxy itself under ``prefix``."""
+
+    prefix: str = "/_leases"
+    default_ttl: Duration = 30.0
+    min_ttl: Duration = 0.1
+    max_ttl: Duration = 86400.0
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not re.fullmatch(r"(/[A-Za-z0-9._~-]+)+", value):
+            raise ValueError("expected a path such as /_leases, without a trailing slash")
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LeasesSpec:
+        if not self.min_ttl <= self.default_ttl <= self.max_ttl:
+            raise ValueError("expected min_ttl <= default_ttl <= max_ttl")
+        return self
+
+
 class IdempotencySpec(_Model):
     """How long idempotency keys are kept and how much response each may store."""
 
@@ -227,6 +250,8 @@ class Config(_Model):
     listen: str = "127.0.0.1:8080"
     store: str = "sqlite:///fenceproxy.db"
     idempotency: IdempotencySpec = IdempotencySpec()
+    leases: LeasesSpec | None = None
+    """The lease API; off unless the section is present (``leases: {}`` for defaults)."""
     trusted_proxies: tuple[str, ...] = ()
     shutdown_timeout: Duration = 30.0
     routes: tuple[RouteSpec, ...] = Field(min_length=1)
@@ -254,6 +279,27 @@ class Config(_Model):
             except ValueError:
                 raise ValueError(f"{net!r} is not an IP address or network") from None
         return value
+
+    @field_validator("leases", mode="before")
+    @classmethod
+    def _leases_switch(cls, value: Any) -> Any:
+        # `leases:` with nothing under it, or `leases: true`, turns the API on.
+        if value is None or value is True:
+            return {}
+        if value is False:
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _leases_apart(self) -> Config:
+        if self.leases is not None:
+            prefix = self.leases.prefix + "/"
+            for route in self.routes:
+                if route.path.startswith(prefix):
+                    raise ValueError(
+                        f"route {route.name!r} is under the lease API's prefix {self.leases.prefix}"
+                    )
+        return self
 
     @field_validator("routes")
     @classmethod

@@ -1,17 +1,22 @@
-"""``fenceproxy demo``: the worked example, end to end on loopback.
+"""``fenceproxy demo``: the worked example, end to end on loopback, with real parts.
 
-A small "legacy API" that records every write in a ledger, and the proxy in
-front of it on a temporary SQLite store. Worker A writes with generation 7 and
-pauses; worker B takes the job over with generation 8 and writes; A wakes up and
-sends its late write, which the proxy refuses. A retried write is answered from
-the record, not applied twice. Exits 0 only when every expectation held.
+A small "legacy API" that records every write in a ledger; the proxy in front of
+it with its lease API, on a temporary SQLite store; two workers. Worker A (using
+the bare lease API, as a worker in any language would) claims the job, writes,
+and pauses past its lease. Worker B (using the Python client, which renews for
+it) claims the next generation. A wakes up: its renewal and completion are
+refused by the lease store, and its late write by the proxy, before B has even
+written. B writes, retries a write whose answer it "lost" (replayed, not applied
+twice) and completes. Exits 0 only when every expectation held.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -20,49 +25,47 @@ import aiohttp
 from aiohttp import web
 
 from .app import make_app
+from .client import LeaseClient, LeaseRefused
 from .config import parse_config
 from .testing import RecordingUpstream, free_port
 
 __all__ = ["run_demo"]
 
+JOB = "invoice-42"
+
 
 @dataclass
 class _Timeline:
     out: TextIO
+    start: float = field(default_factory=time.monotonic)
     failures: list[str] = field(default_factory=list)
 
     def say(self, who: str, what: str) -> None:
-        print(f"  {who:<10} {what}", file=self.out)
+        print(f"  {time.monotonic() - self.start:5.2f}s  {who:<9} {what}", file=self.out)
 
     def expect(self, ok: bool, what: str) -> None:
-        print(f"  {'ok' if ok else 'FAILED':<10} {what}", file=self.out)
+        print(f"  {'':6} {'ok' if ok else 'FAILED':<9} {what}", file=self.out)
         if not ok:
             self.failures.append(what)
 
 
 async def _write(
-    http: aiohttp.ClientSession,
-    base: str,
-    who: str,
-    generation: int,
-    body: dict[str, Any],
-    key: str | None = None,
+    http: aiohttp.ClientSession, base: str, headers: dict[str, str], body: dict[str, Any]
 ) -> tuple[int, dict[str, str], Any]:
-    headers = {"Fencing-Job": "invoice-42", "Fencing-Token": str(generation)}
-    if key is not None:
-        headers["Idempotency-Key"] = key
     async with http.post(f"{base}/billing/charges", json=body, headers=headers) as response:
         return response.status, dict(response.headers), await response.json(content_type=None)
 
 
-async def run_demo(out: TextIO = sys.stdout) -> int:
-    """Run the worked example; 0 when every expectation held, 1 otherwise."""
+async def run_demo(out: TextIO = sys.stdout, ttl: float = 1.0) -> int:
+    """Run the worked example; 0 when every expectation held, 1 otherwise.
+    ``ttl`` is worker A's lease, which the demo waits out once."""
     t = _Timeline(out)
     with tempfile.TemporaryDirectory(prefix="fenceproxy-demo-") as tmp:
         async with RecordingUpstream.serve() as ledger:
             config = parse_config(
                 {
-                    "store": f"sqlite:///{Path(tmp) / 'fences.db'}",
+                    "store": f"sqlite:///{Path(tmp) / 'fenceproxy.db'}",
+                    "leases": {},
                     "routes": [{"name": "billing", "path": "/billing/", "upstream": ledger.url}],
                 },
                 "demo",
@@ -72,10 +75,11 @@ async def run_demo(out: TextIO = sys.stdout) -> int:
             port = free_port()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             base = f"http://127.0.0.1:{port}"
-            print(f"legacy API (ledger) on {ledger.url}; fenceproxy on {base}\n", file=out)
+            print(f"legacy API (ledger) on {ledger.url}", file=out)
+            print(f"fenceproxy with its lease API on {base}\n", file=out)
             try:
-                async with aiohttp.ClientSession() as http:
-                    await _story(t, http, base)
+                async with aiohttp.ClientSession() as http, LeaseClient(base) as leases:
+                    at_b_claim = await _story(t, http, leases, base, ttl, ledger)
             finally:
                 await runner.cleanup()
             print("\nledger of the legacy API:", file=out)
@@ -83,28 +87,79 @@ async def run_demo(out: TextIO = sys.stdout) -> int:
                 print(
                     f"  {n}. generation {received.generation}: {received.body.decode()}", file=out
                 )
-            applied = [json.loads(r.body)["by"] for r in ledger.received]
-            t.expect(applied == ["A", "B"], "the ledger holds A's write, then B's, nothing else")
+            writers = [json.loads(r.body)["by"] for r in ledger.received]
+            t.expect(writers == ["A", "B"], "the ledger holds A's first write, then B's, once")
+            t.expect(
+                "A" not in writers[at_b_claim:],
+                "no write of A's reached the ledger after B's claim",
+            )
     print("\nall expectations held" if not t.failures else f"\n{len(t.failures)} FAILED", file=out)
     return 0 if not t.failures else 1
 
 
-async def _story(t: _Timeline, http: aiohttp.ClientSession, base: str) -> None:
-    status, _, _ = await _write(http, base, "A", 7, {"by": "A", "amount": 10}, key="a-1")
-    t.say("worker A", f"holds generation 7, writes charge a-1 -> {status}")
-    t.expect(status == 200, "A's write with generation 7 is forwarded")
+async def _story(
+    t: _Timeline,
+    http: aiohttp.ClientSession,
+    leases: LeaseClient,
+    base: str,
+    ttl: float,
+    ledger: RecordingUpstream,
+) -> int:
+    """The two workers; returns how many writes the ledger held when B claimed."""
+    a = await leases.claim(JOB, "worker-a", ttl=ttl)
+    t.say("worker A", f"claims {JOB}: generation {a.generation}, ttl {ttl}s")
+    a_headers = {"Fencing-Job": JOB, "Fencing-Token": a.token}
+    status, _, _ = await _write(http, base, a_headers, {"by": "A", "charge": "a-1"})
+    t.say("worker A", f"writes charge a-1 -> {status}")
+    t.expect(status == 200, "A's write under its lease is forwarded")
+    t.say("worker A", "pauses (a long GC, a SIGSTOP): no renewals, no writes")
 
-    t.say("worker A", "pauses (a long GC, a SIGSTOP); its lease expires")
-    status, _, _ = await _write(http, base, "B", 8, {"by": "B", "amount": 10}, key="b-1")
-    t.say("worker B", f"claims generation 8, writes charge b-1 -> {status}")
-    t.expect(status == 200, "B's write with generation 8 is forwarded")
+    while True:
+        try:
+            async with leases.hold(JOB, owner="worker-b", ttl=30) as b:
+                at_b_claim = len(ledger.received)
+                t.say("worker B", f"claims {JOB}: generation {b.generation}")
+                t.expect(b.generation > a.generation, "B's claim gets a higher generation")
+                await _a_wakes_up(t, http, leases, base, a_headers, a.generation)
+                keyed = {**b.headers(), "Idempotency-Key": "b-1"}
+                status, _, _ = await _write(http, base, keyed, {"by": "B", "charge": "b-1"})
+                t.say("worker B", f"writes charge b-1 with Idempotency-Key b-1 -> {status}")
+                t.expect(status == 200, "B's write is forwarded")
+                status, headers, _ = await _write(http, base, keyed, {"by": "B", "charge": "b-1"})
+                replayed = headers.get("Idempotent-Replayed") == "true"
+                t.say("worker B", f"retries b-1 (its answer was lost) -> {status}, replayed")
+                t.expect(status == 200 and replayed, "B's retry is replayed, not applied twice")
+                await b.complete()
+                t.say("worker B", "completes the job -> 200")
+                return at_b_claim
+        except LeaseRefused as refused:
+            wait = float(refused.problem.get("expires_in", 0.1))
+            t.say("worker B", f"tries to claim -> 409 held by {refused.problem.get('owner')}")
+            await asyncio.sleep(wait + 0.01)  # the lease's own time: nothing to poll
 
-    status, _, problem = await _write(http, base, "A", 7, {"by": "A", "amount": 99}, key="a-2")
-    t.say("worker A", f"wakes up, sends a late write with generation 7 -> {status}")
-    t.say("", f"  {problem.get('detail')}")
-    t.expect(status == 409, "A's late write is refused as stale (409) and not forwarded")
 
-    status, headers, _ = await _write(http, base, "B", 8, {"by": "B", "amount": 10}, key="b-1")
-    replayed = headers.get("Idempotent-Replayed") == "true"
-    t.say("worker B", f"retries b-1 (its answer was lost) -> {status}, replayed={replayed}")
-    t.expect(status == 200 and replayed, "B's retry is answered from the record, not re-applied")
+async def _a_wakes_up(
+    t: _Timeline,
+    http: aiohttp.ClientSession,
+    leases: LeaseClient,
+    base: str,
+    a_headers: dict[str, str],
+    generation: int,
+) -> None:
+    t.say("worker A", "wakes up")
+    try:
+        await leases.renew(JOB, "worker-a", generation)
+        t.expect(False, "A's renewal is refused by the lease store")
+    except LeaseRefused as exc:
+        t.say("worker A", f"renews -> {exc.status} {exc.slug}")
+        t.expect(exc.slug == "lease-superseded", "A's renewal is refused by the lease store")
+    status, _, problem = await _write(http, base, a_headers, {"by": "A", "charge": "a-late"})
+    t.say("worker A", f"sends its late write (generation {generation}) -> {status}")
+    t.say("", f"          {problem.get('detail')}")
+    t.expect(status == 409, "A's late write is refused by the proxy, before B even wrote")
+    try:
+        await leases.complete(JOB, "worker-a", generation)
+        t.expect(False, "A's completion is refused by the lease store")
+    except LeaseRefused as exc:
+        t.say("worker A", f"completes -> {exc.status} {exc.slug}")
+        t.expect(exc.status == 409, "A's completion is refused by the lease store")

@@ -4,6 +4,10 @@
     ├── ConfigError                  a config file or option is wrong; names the file and key
     ├── StoreError                   the store failed; the proxy fails closed (503)
     │   └── StoreLocked              another process holds the SQLite store
+    ├── LeaseError                   raised by the lease client
+    │   ├── LeaseLost                the lease can no longer be trusted: stop all effects
+    │   ├── LeaseRefused             the lease service refused (carries its problem)
+    │   └── LeaseServiceError        the lease service could not be reached or answered oddly
     └── Refusal                      answered to the client as RFC 9457 problem+json
         ├── NoRoute                  404  no route matches the path
         ├── BodyTooLarge             413  body above the route's limit
@@ -19,6 +23,15 @@
         ├── KeyReused                422  the same key with another method, path or body
         ├── StoreUnavailable         503  the fence could not be read or recorded
         ├── JobQuarantined           503  an earlier write of the job has an unknown outcome
+        ├── LeaseRequestMalformed    400  a lease request body that is not JSON
+        ├── LeaseRequestInvalid      422  a lease request with missing or invalid fields
+        ├── LeaseNotFound            404  no lease was ever taken on the job
+        ├── LeaseHeld                409  claim: another holder's lease is live (Retry-After)
+        ├── JobCompleted             409  the job was completed; it takes no more claims
+        ├── LeaseSuperseded          409  a newer claim took the job over
+        ├── LeaseExpired             409  the lease ran out (nobody has claimed it since)
+        ├── LeaseReleased            409  the lease was released by its holder
+        ├── LeaseMismatch            409  owner or generation is not this lease's
         └── UpstreamError                 the upstream did not give an answer
             ├── UpstreamUnreachable  502  connection refused: nothing was sent, key released
             ├── UpstreamFailed       502  reset or malformed answer after sending: outcome unknown
@@ -46,8 +59,21 @@ __all__ = [
     "FencingHeaderMalformed",
     "FencingHeaderMissing",
     "IdempotencyKeyMalformed",
+    "JobCompleted",
     "JobQuarantined",
     "KeyReused",
+    "LeaseError",
+    "LeaseExpired",
+    "LeaseHeld",
+    "LeaseLost",
+    "LeaseMismatch",
+    "LeaseNotFound",
+    "LeaseRefused",
+    "LeaseReleased",
+    "LeaseRequestInvalid",
+    "LeaseRequestMalformed",
+    "LeaseServiceError",
+    "LeaseSuperseded",
     "NoRoute",
     "Refusal",
     "StaleGeneration",
@@ -87,6 +113,31 @@ class StoreError(FenceProxyError):
 
 class StoreLocked(StoreError):
     """Another process holds the SQLite store: one proxy per SQLite file."""
+
+
+class LeaseError(FenceProxyError):
+    """Raised by the lease client."""
+
+
+class LeaseLost(LeaseError):
+    """The lease is lost, or can no longer be confirmed before its local deadline.
+
+    The worker must stop producing effects under it.
+    """
+
+
+class LeaseServiceError(LeaseError):
+    """The lease service could not be reached, or answered something unexpected."""
+
+
+class LeaseRefused(LeaseError):
+    """The lease service refused a request; ``problem`` is its RFC 9457 body."""
+
+    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+        self.status = status
+        self.problem = problem
+        self.slug = str(problem.get("type", "")).removeprefix(PROBLEM_BASE)
+        super().__init__(f"{status} {self.slug}: {problem.get('detail', '')}")
 
 
 class Refusal(FenceProxyError):
@@ -191,6 +242,42 @@ class JobQuarantined(Refusal):
         503,
         "An earlier write of this job may still be applied by the upstream",
     )
+
+
+class LeaseRequestMalformed(Refusal):
+    slug, status, title = "lease-request-malformed", 400, "Lease request body is not JSON"
+
+
+class LeaseRequestInvalid(Refusal):
+    slug, status, title = "lease-request-invalid", 422, "Lease request fields are invalid"
+
+
+class LeaseNotFound(Refusal):
+    slug, status, title = "lease-not-found", 404, "No lease was ever taken on this job"
+
+
+class LeaseHeld(Refusal):
+    slug, status, title = "lease-held", 409, "The job is held by a live lease"
+
+
+class JobCompleted(Refusal):
+    slug, status, title = "job-completed", 409, "The job was completed"
+
+
+class LeaseSuperseded(Refusal):
+    slug, status, title = "lease-superseded", 409, "A newer claim took the job over"
+
+
+class LeaseExpired(Refusal):
+    slug, status, title = "lease-expired", 409, "The lease expired"
+
+
+class LeaseReleased(Refusal):
+    slug, status, title = "lease-released", 409, "The lease was released"
+
+
+class LeaseMismatch(Refusal):
+    slug, status, title = "lease-mismatch", 409, "Owner or generation does not match the lease"
 
 
 class UpstreamError(Refusal):

@@ -1,4 +1,4 @@
-"""The store interface: one durable home for fences and idempotency keys.
+"""The store interface: one durable home for fences, idempotency keys and leases.
 
 A backend keeps, per job, the highest generation it has accepted, and per
 (route, job, key) what became of a keyed write. Every decision is taken inside one
@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 from ..errors import Refusal
 from ..fencing import Admit, FencedWrite, Replay, StoredResponse
+from ..leases.model import Lease
 
-__all__ = ["JobLocks", "Store"]
+__all__ = ["JobLocks", "LeaseChange", "Store"]
+
+LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
+"""A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
 
 
 class Store(abc.ABC):
@@ -45,6 +50,21 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def generation(self, job: str) -> int | None:
         """The highest generation accepted for ``job``, or None if none was."""
+
+    @abc.abstractmethod
+    async def change_lease(self, job: str, change: LeaseChange) -> Lease | Refusal:
+        """Apply ``change`` to the job's lease in one transaction, with the job's fence
+        and the store's clock. A new lease is written, and the job's fence raised to
+        its generation, so a late write of an older holder is refused by the proxy
+        even before the new holder has written anything."""
+
+    @abc.abstractmethod
+    async def lease(self, job: str) -> Lease | None:
+        """The job's lease record, if a lease was ever taken on it."""
+
+    @abc.abstractmethod
+    def now(self) -> float:
+        """The store's clock, which decides lease expiry."""
 
     @abc.abstractmethod
     def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:

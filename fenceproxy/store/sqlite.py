@@ -1,5 +1,8 @@
 """The embedded default store: one SQLite file, owned by one proxy process.
 
+It holds the fences, the idempotency keys and the leases, so a claim and the
+fence it raises commit together.
+
 Durability: WAL mode. With ``synchronous=full`` (the default) a commit is on disk
 when it returns, so a fence survives a process crash *and* a power loss; with
 ``synchronous=normal`` it survives a process crash, and a power loss may roll back
@@ -30,15 +33,16 @@ import aiosqlite
 
 from ..errors import Refusal, StoreError, StoreLocked
 from ..fencing import Admit, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse, decide
+from ..leases.model import Lease, LeaseState
 from ..log import store_log
-from .base import JobLocks, Store
+from .base import JobLocks, LeaseChange, Store
 
 __all__ = ["SQLiteStore"]
 
 T = TypeVar("T")
 _Op = Callable[[aiosqlite.Connection], Awaitable[Any]]
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS fences (
     job         TEXT PRIMARY KEY,
@@ -60,6 +64,15 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     PRIMARY KEY (route, job, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);
+CREATE TABLE IF NOT EXISTS leases (
+    job         TEXT PRIMARY KEY,
+    owner       TEXT NOT NULL,
+    generation  INTEGER NOT NULL,
+    lease_until REAL NOT NULL,
+    ttl         REAL NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('held', 'released', 'completed')),
+    updated_at  REAL NOT NULL
+) WITHOUT ROWID;
 """
 
 Synchronous = Literal["full", "normal"]
@@ -225,6 +238,61 @@ class SQLiteStore(Store):
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
+    async def change_lease(self, job: str, change: LeaseChange) -> Lease | Refusal:
+        async def op(conn: aiosqlite.Connection) -> Lease | Refusal:
+            now = self._clock()
+            current = _lease(
+                await _one(
+                    conn,
+                    "SELECT job, owner, generation, lease_until, ttl, state FROM leases"
+                    " WHERE job = ?",
+                    (job,),
+                )
+            )
+            row = await _one(conn, "SELECT generation FROM fences WHERE job = ?", (job,))
+            fence = None if row is None else int(row[0])
+            result = change(current, fence, now)
+            if isinstance(result, Lease) and result != current:
+                await conn.execute(
+                    "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
+                    " state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        job,
+                        result.owner,
+                        result.generation,
+                        result.lease_until,
+                        result.ttl,
+                        result.state.value,
+                        now,
+                    ),
+                )
+                if fence is None or result.generation > fence:
+                    await conn.execute(
+                        "INSERT INTO fences (job, generation, updated_at) VALUES (?, ?, ?)"
+                        " ON CONFLICT (job) DO UPDATE SET generation = excluded.generation,"
+                        " updated_at = excluded.updated_at",
+                        (job, result.generation, now),
+                    )
+            return result
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
+    async def lease(self, job: str) -> Lease | None:
+        async def op(conn: aiosqlite.Connection) -> Lease | None:
+            return _lease(
+                await _one(
+                    conn,
+                    "SELECT job, owner, generation, lease_until, ttl, state FROM leases"
+                    " WHERE job = ?",
+                    (job,),
+                )
+            )
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
+    def now(self) -> float:
+        return self._clock()
+
     def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:
         return self.locks(job)
 
@@ -318,6 +386,15 @@ class SQLiteStore(Store):
 async def _one(conn: aiosqlite.Connection, sql: str, params: tuple[Any, ...]) -> Any:
     async with conn.execute(sql, params) as cursor:
         return await cursor.fetchone()
+
+
+def _lease(row: Any) -> Lease | None:
+    if row is None:
+        return None
+    job, owner, generation, lease_until, ttl, state = row
+    return Lease(
+        str(job), str(owner), int(generation), float(lease_until), float(ttl), LeaseState(state)
+    )
 
 
 def _record(row: Any) -> KeyRecord | None:

@@ -1,0 +1,161 @@
+"""The lease decisions, pure and without I/O.
+
+Each function takes the job's record as the store holds it (or None), the store's
+``now``, and returns the new record or the refusal. The store applies the result
+in one transaction. ``now`` always comes from the store's clock, never a worker's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from ..errors import (
+    JobCompleted,
+    LeaseExpired,
+    LeaseHeld,
+    LeaseMismatch,
+    LeaseNotFound,
+    LeaseReleased,
+    LeaseSuperseded,
+    Refusal,
+)
+from ..fencing import GENERATION_MAX
+
+__all__ = ["Lease", "LeaseState", "claim", "complete", "release", "renew"]
+
+
+class LeaseState(enum.StrEnum):
+    HELD = "held"
+    RELEASED = "released"
+    COMPLETED = "completed"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One job's lease record. ``lease_until`` is on the store's clock."""
+
+    job_id: str
+    owner: str
+    generation: int
+    lease_until: float
+    ttl: float
+    state: LeaseState
+
+    @property
+    def token(self) -> str:
+        """What a worker sends as ``Fencing-Token``. Opaque to clients: it may be signed later."""
+        return str(self.generation)
+
+    def live(self, now: float) -> bool:
+        return self.state is LeaseState.HELD and now < self.lease_until
+
+
+def claim(
+    current: Lease | None, fence: int | None, job: str, owner: str, ttl: float, now: float
+) -> Lease | Refusal:
+    """A new lease with a generation above every one the job has seen, its fence
+    included, unless a live lease holds the job or the job is completed."""
+    if current is not None:
+        if current.state is LeaseState.COMPLETED:
+            return JobCompleted(
+                f"job {job!r} was completed by {current.owner!r} (generation "
+                f"{current.generation}); it takes no more claims",
+                job_id=job,
+                generation=current.generation,
+            )
+        if current.live(now):
+            left = current.lease_until - now
+            return LeaseHeld(
+                f"job {job!r} is held by {current.owner!r} (generation {current.generation}) "
+                f"for {left:.3f}s more",
+                retry_after=left,
+                job_id=job,
+                owner=current.owner,
+                generation=current.generation,
+                expires_in=left,
+            )
+    generation = max(current.generation if current else 0, fence or 0) + 1
+    if generation > GENERATION_MAX:
+        return LeaseMismatch(f"job {job!r} has no generation left to give", job_id=job)
+    return Lease(job, owner, generation, now + ttl, ttl, LeaseState.HELD)
+
+
+def _check_holder(
+    current: Lease | None,
+    job: str,
+    owner: str,
+    generation: int,
+    now: float,
+    done: LeaseState | None,
+) -> Lease | Refusal:
+    """The lease, if ``owner`` holds it at ``generation`` now; else the refusal that
+    says why. With ``done`` set, a lease already in that state by the same holder is
+    returned as is (a retried completion or release whose reply was lost)."""
+    if current is None:
+        return LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
+    if generation < current.generation:
+        return LeaseSuperseded(
+            f"generation {generation} of job {job!r} was superseded by generation "
+            f"{current.generation} ({current.owner!r})",
+            job_id=job,
+            generation=generation,
+            current_generation=current.generation,
+        )
+    if generation != current.generation or owner != current.owner:
+        return LeaseMismatch(
+            f"job {job!r} at generation {current.generation} is not held by {owner!r} "
+            f"at generation {generation}",
+            job_id=job,
+            generation=generation,
+            current_generation=current.generation,
+        )
+    if done is not None and current.state is done:
+        return current
+    if current.state is LeaseState.COMPLETED:
+        return JobCompleted(f"job {job!r} was completed", job_id=job, generation=generation)
+    if current.state is LeaseState.RELEASED:
+        return LeaseReleased(
+            f"the lease of job {job!r} at generation {generation} was released",
+            job_id=job,
+            generation=generation,
+        )
+    if not current.live(now):
+        return LeaseExpired(
+            f"the lease of job {job!r} at generation {generation} expired "
+            f"{now - current.lease_until:.3f}s ago",
+            job_id=job,
+            generation=generation,
+        )
+    return current
+
+
+def renew(
+    current: Lease | None, job: str, owner: str, generation: int, ttl: float | None, now: float
+) -> Lease | Refusal:
+    """Extend a live lease to ``ttl`` (by default its own) from now, for its holder only."""
+    held = _check_holder(current, job, owner, generation, now, done=None)
+    if isinstance(held, Refusal):
+        return held
+    ttl = held.ttl if ttl is None else ttl
+    return replace(held, lease_until=now + ttl, ttl=ttl)
+
+
+def complete(
+    current: Lease | None, job: str, owner: str, generation: int, now: float
+) -> Lease | Refusal:
+    """Mark the job done, for the holder of a live lease; idempotent for that holder."""
+    held = _check_holder(current, job, owner, generation, now, done=LeaseState.COMPLETED)
+    if isinstance(held, Refusal):
+        return held
+    return replace(held, state=LeaseState.COMPLETED, lease_until=min(held.lease_until, now))
+
+
+def release(
+    current: Lease | None, job: str, owner: str, generation: int, now: float
+) -> Lease | Refusal:
+    """Give the job up before the lease runs out; idempotent for that holder."""
+    held = _check_holder(current, job, owner, generation, now, done=LeaseState.RELEASED)
+    if isinstance(held, Refusal):
+        return held
+    return replace(held, state=LeaseState.RELEASED, lease_until=min(held.lease_until, now))

@@ -1,0 +1,209 @@
+"""The lease API over HTTP, served by the proxy under its ``leases.prefix``.
+
+    POST {prefix}/{job}/claim     {"owner": "...", "ttl": 30}
+    POST {prefix}/{job}/renew     {"owner": "...", "generation": 7, "ttl": 30}
+    POST {prefix}/{job}/complete  {"owner": "...", "generation": 7}
+    POST {prefix}/{job}/release   {"owner": "...", "generation": 7}
+    GET  {prefix}/{job}
+
+JSON in and out; every refusal is problem+json with its own type. A body that is
+not JSON is 400, missing or invalid fields 422 naming each field. The store's
+clock decides expiry; ``ttl`` is in seconds, fractional allowed, bounded by the
+config, and optional (``leases.default_ttl``).
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from typing import Annotated, Any
+
+from aiohttp import web
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import LeasesSpec
+from ..errors import (
+    LeaseNotFound,
+    LeaseRequestInvalid,
+    LeaseRequestMalformed,
+    NoRoute,
+    Refusal,
+)
+from ..fencing import GENERATION_MAX, parse_job
+from ..log import lease_log
+from ..store import Store
+from . import model
+from .model import Lease
+
+__all__ = ["LeaseService"]
+
+_MAX_BODY = 64 * 1024
+
+
+def _printable(value: str) -> str:
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Cs") for c in value):
+        raise ValueError("must not contain control or format characters")
+    return value
+
+
+Owner = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_printable)]
+Generation = Annotated[int, Field(ge=0, le=GENERATION_MAX, strict=True)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Claim(_Body):
+    owner: Owner
+    ttl: float | None = Field(default=None, allow_inf_nan=False)
+
+
+class _Renew(_Body):
+    owner: Owner
+    generation: Generation
+    ttl: float | None = Field(default=None, allow_inf_nan=False)
+
+
+class _Holder(_Body):
+    owner: Owner
+    generation: Generation
+
+
+class LeaseService:
+    """Handlers for the lease API. ``store`` is set once the app has opened it."""
+
+    def __init__(self, spec: LeasesSpec) -> None:
+        self.spec = spec
+        self.store: Store | None = None
+
+    def routes(self) -> list[web.RouteDef]:
+        p = self.spec.prefix
+        return [
+            web.post(p + "/{job}/claim", self.claim),
+            web.post(p + "/{job}/renew", self.renew),
+            web.post(p + "/{job}/complete", self.complete),
+            web.post(p + "/{job}/release", self.release),
+            web.get(p + "/{job}", self.show),
+            # Everything else under the prefix is the lease API's, never an upstream's.
+            web.route("*", p + "/{tail:.*}", self.unknown),
+        ]
+
+    async def claim(self, request: web.Request) -> web.Response:
+        job = _job(request)
+        body = await _parse(request, _Claim)
+        ttl = self._ttl(body.ttl)
+        result = await self._change(
+            job, lambda cur, fence, now: model.claim(cur, fence, job, body.owner, ttl, now)
+        )
+        lease_log.info("claim %r by %r: generation %d", job, body.owner, result.generation)
+        return self._answer(result)
+
+    async def renew(self, request: web.Request) -> web.Response:
+        job = _job(request)
+        body = await _parse(request, _Renew)
+        ttl = None if body.ttl is None else self._ttl(body.ttl)
+        return self._answer(
+            await self._change(
+                job,
+                lambda cur, fence, now: model.renew(
+                    cur, job, body.owner, body.generation, ttl, now
+                ),
+            )
+        )
+
+    async def complete(self, request: web.Request) -> web.Response:
+        return await self._end(request, model.complete)
+
+    async def release(self, request: web.Request) -> web.Response:
+        return await self._end(request, model.release)
+
+    async def show(self, request: web.Request) -> web.Response:
+        job = _job(request)
+        lease = await self._store().lease(job)
+        if lease is None:
+            raise LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
+        return self._answer(lease)
+
+    async def unknown(self, request: web.Request) -> web.Response:
+        raise NoRoute(
+            f"the lease API has no {request.method} {self.spec.prefix}/...{{job}}/... endpoint "
+            "like this; see claim, renew, complete, release and GET"
+        )
+
+    async def _end(self, request: web.Request, decide: Any) -> web.Response:
+        job = _job(request)
+        body = await _parse(request, _Holder)
+        result = await self._change(
+            job, lambda cur, fence, now: decide(cur, job, body.owner, body.generation, now)
+        )
+        lease_log.info(
+            "%s %r by %r at generation %d", result.state, job, body.owner, body.generation
+        )
+        return self._answer(result)
+
+    async def _change(self, job: str, change: Any) -> Lease:
+        result = await self._store().change_lease(job, change)
+        if isinstance(result, Refusal):
+            raise result
+        return result
+
+    def _ttl(self, ttl: float | None) -> float:
+        if ttl is None:
+            return self.spec.default_ttl
+        if not self.spec.min_ttl <= ttl <= self.spec.max_ttl:
+            raise _invalid(
+                "ttl", f"must be between {self.spec.min_ttl} and {self.spec.max_ttl} seconds"
+            )
+        return ttl
+
+    def _store(self) -> Store:
+        assert self.store is not None, "the lease service runs only inside a started app"
+        return self.store
+
+    def _answer(self, lease: Lease) -> web.Response:
+        now = self._store().now()
+        return web.json_response(
+            {
+                "job_id": lease.job_id,
+                "owner": lease.owner,
+                "generation": lease.generation,
+                "token": lease.token,
+                "state": lease.state.value,
+                "ttl": lease.ttl,
+                "lease_until": lease.lease_until,
+                "expires_in": max(0.0, lease.lease_until - now),
+            }
+        )
+
+
+def _job(request: web.Request) -> str:
+    return parse_job(request.match_info["job"], "path")
+
+
+def _invalid(field: str, message: str) -> LeaseRequestInvalid:
+    return LeaseRequestInvalid(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+async def _parse(request: web.Request, schema: type[_Body]) -> Any:
+    raw = await request.content.read(_MAX_BODY + 1)
+    if len(raw) > _MAX_BODY:
+        raise LeaseRequestMalformed(f"the body is larger than {_MAX_BODY} bytes")
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise LeaseRequestMalformed("the body must be a JSON object") from None
+    if not isinstance(data, dict):
+        raise _invalid("(body)", "expected a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        errors = [
+            {
+                "field": ".".join(str(p) for p in err["loc"]) or "(body)",
+                "message": err["msg"].removeprefix("Value error, "),
+            }
+            for err in exc.errors(include_url=False)
+        ]
+        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        raise LeaseRequestInvalid(detail, errors=errors) from None
