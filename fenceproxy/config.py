@@ -293,9 +293,9 @@ class Config(_Model):
     @model_validator(mode="after")
     def _leases_apart(self) -> Config:
         if self.leases is not None:
-            prefix = self.leases.prefix + "/"
+            prefix = self.leases.prefix
             for route in self.routes:
-                if route.path.startswith(prefix):
+                if route.path == prefix or route.path.startswith(prefix + "/"):
                     raise ValueError(
                         f"route {route.name!r} is under the lease API's prefix {self.leases.prefix}"
                     )

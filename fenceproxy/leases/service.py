@@ -19,7 +19,7 @@ import unicodedata
 from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..config import LeasesSpec
 from ..errors import (
@@ -33,7 +33,7 @@ from ..fencing import GENERATION_MAX, parse_job
 from ..log import lease_log
 from ..store import Store
 from . import model
-from .model import Lease
+from .model import Lease, LeaseState
 
 __all__ = ["LeaseService"]
 
@@ -46,7 +46,14 @@ def _printable(value: str) -> str:
     return value
 
 
+def _seconds(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be a number of seconds")
+    return value
+
+
 Owner = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_printable)]
+Seconds = Annotated[float, BeforeValidator(_seconds), Field(allow_inf_nan=False)]
 Generation = Annotated[int, Field(ge=0, le=GENERATION_MAX, strict=True)]
 
 
@@ -56,13 +63,13 @@ class _Body(BaseModel):
 
 class _Claim(_Body):
     owner: Owner
-    ttl: float | None = Field(default=None, allow_inf_nan=False)
+    ttl: Seconds | None = None
 
 
 class _Renew(_Body):
     owner: Owner
     generation: Generation
-    ttl: float | None = Field(default=None, allow_inf_nan=False)
+    ttl: Seconds | None = None
 
 
 class _Holder(_Body):
@@ -86,6 +93,7 @@ class LeaseService:
             web.post(p + "/{job}/release", self.release),
             web.get(p + "/{job}", self.show),
             # Everything else under the prefix is the lease API's, never an upstream's.
+            web.route("*", p, self.unknown),
             web.route("*", p + "/{tail:.*}", self.unknown),
         ]
 
@@ -169,7 +177,9 @@ class LeaseService:
                 "owner": lease.owner,
                 "generation": lease.generation,
                 "token": lease.token,
-                "state": lease.state.value,
+                "state": "expired"
+                if lease.state is LeaseState.HELD and not lease.live(now)
+                else lease.state.value,
                 "ttl": lease.ttl,
                 "lease_until": lease.lease_until,
                 "expires_in": max(0.0, lease.lease_until - now),
@@ -186,12 +196,14 @@ def _invalid(field: str, message: str) -> LeaseRequestInvalid:
 
 
 async def _parse(request: web.Request, schema: type[_Body]) -> Any:
-    raw = await request.content.read(_MAX_BODY + 1)
-    if len(raw) > _MAX_BODY:
-        raise LeaseRequestMalformed(f"the body is larger than {_MAX_BODY} bytes")
+    raw = bytearray()
+    async for chunk in request.content.iter_chunked(_MAX_BODY):
+        raw += chunk
+        if len(raw) > _MAX_BODY:
+            raise LeaseRequestMalformed(f"the body is larger than {_MAX_BODY} bytes")
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise LeaseRequestMalformed("the body must be a JSON object") from None
     if not isinstance(data, dict):
         raise _invalid("(body)", "expected a JSON object")
