@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,7 +19,9 @@ from .demo import run_demo
 from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
 from .log import access_log, server_log
 
-__all__ = ["main"]
+__all__ = ["BREAK_FENCE_ENV", "main"]
+
+BREAK_FENCE_ENV = "FENCEPROXY_TEST_BREAK_FENCE"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
 
     commands.add_parser("demo", help="run the worked example on loopback")
+    commands.add_parser(
+        "chaos", help="fault-injection run with checked invariants (see: fenceproxy chaos -h)"
+    )
 
     lease = commands.add_parser(
         "lease",
@@ -73,7 +79,8 @@ def _serve(config: Config, log_level: str) -> None:
         len(config.routes),
     )
     web.run_app(
-        make_app(config),
+        # A test-only switch for the fault-injection run's mutation check.
+        make_app(config, break_fence=os.environ.get(BREAK_FENCE_ENV) == "1"),
         host=host,
         port=port,
         shutdown_timeout=config.shutdown_timeout,
@@ -110,6 +117,11 @@ async def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chaos"]:
+        from .chaos import main as chaos_main  # only this command needs it
+
+        return chaos_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -182,8 +182,15 @@ class ProxyProcess:
     Its output goes to a file (a pipe nobody reads would fill and stall it).
     """
 
-    def __init__(self, config: str | os.PathLike[str], port: int, *args: str) -> None:
+    def __init__(
+        self,
+        config: str | os.PathLike[str],
+        port: int,
+        *args: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = port
+        self._env = None if env is None else {**os.environ, **env}
         self.url = f"http://127.0.0.1:{port}"
         self._argv = [
             "-m", "fenceproxy", "serve", "-c", os.fspath(config),
@@ -195,7 +202,7 @@ class ProxyProcess:
     async def start(self, within: float = 20.0) -> ProxyProcess:
         """Start it and wait until it accepts connections; RuntimeError if it exits."""
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, *self._argv, stdout=self._log, stderr=subprocess.STDOUT
+            sys.executable, *self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env
         )
         async with asyncio.timeout(within):
             while True:
@@ -210,6 +217,11 @@ class ProxyProcess:
                     continue
                 writer.close()
                 return self
+
+    async def restart(self, within: float = 20.0) -> ProxyProcess:
+        """Start it again, same port and store, after it exited."""
+        assert self.process is None or self.process.returncode is not None
+        return await self.start(within)
 
     def signal(self, signum: int) -> None:
         assert self.process is not None

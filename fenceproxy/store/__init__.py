@@ -13,11 +13,19 @@ __all__ = ["JobLocks", "SQLiteStore", "Store", "open_store"]
 
 
 async def open_store(
-    url: str | StoreURL, *, key_ttl: float, clock: Callable[[], float] = time.time
+    url: str | StoreURL,
+    *,
+    key_ttl: float,
+    clock: Callable[[], float] = time.time,
+    check_generations: bool = True,
 ) -> Store:
     """Open the store a ``store:`` URL names. Raises StoreError when it cannot be
     opened, ValueError for a URL that config validation would have refused."""
     parsed = parse_store_url(url) if isinstance(url, str) else url
     return await SQLiteStore.open(
-        parsed.path, synchronous=parsed.synchronous, key_ttl=key_ttl, clock=clock
+        parsed.path,
+        synchronous=parsed.synchronous,
+        key_ttl=key_ttl,
+        clock=clock,
+        check_generations=check_generations,
     )

@@ -1,0 +1,279 @@
+"""Fault injection: real processes on loopback, broken on purpose, then checked.
+
+``fenceproxy chaos`` (or ``python -m fenceproxy.chaos``) starts the proxy with its
+lease API on a SQLite store, a recording upstream with a durable ledger
+(:mod:`.ledger`) and N worker processes (:mod:`.worker`), injects the faults
+switched on, then checks the invariants (:mod:`.checker`) and prints one table.
+It exits 1 on any violation. Everything random is seeded: the same seed and
+options replay the same schedule of faults.
+
+Faults (``--faults``, all by default):
+
+    stall    a worker's event loop blocked past its lease before a write
+    sigstop  SIGSTOP of a worker process past its lease, then SIGCONT
+    clock    each worker's wall clock off by up to an hour either way
+    crash    kill -9 of the proxy at random moments, restarted on the same store
+    slow     the upstream applies some writes only after the proxy's timeout
+    drop     the upstream drops connections, half of them after applying
+    error    the upstream answers some writes 503
+    dup      keyed writes sent twice, in sequence and at once
+
+Competing claims are always on: more workers than jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+
+from ..cli import BREAK_FENCE_ENV
+from ..testing import ProxyProcess, free_port
+from .checker import Report, check
+
+__all__ = ["FAULTS", "ChaosOptions", "main", "run_chaos"]
+
+FAULTS = ("stall", "sigstop", "clock", "crash", "slow", "drop", "error", "dup")
+_TTL = 1.0
+_PROXY_TIMEOUT = 0.5
+_SLOW_SECONDS = 1.0
+_QUARANTINE = 2.0  # above the upstream's late application: no newer write overtakes it
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    duration: float = 30.0
+    workers: int = 6
+    jobs: int = 3
+    seed: int = 1
+    faults: frozenset[str] = frozenset(FAULTS)
+    break_fence: bool = False
+    keep: Path | None = None
+
+
+@dataclass
+class _Run:
+    opts: ChaosOptions
+    dir: Path
+    rng: random.Random
+    out: TextIO
+    workers: list[asyncio.subprocess.Process] = field(default_factory=list)
+    report_counts: dict[str, int] = field(default_factory=lambda: {"crashes": 0, "sigstops": 0})
+
+
+async def run_chaos(opts: ChaosOptions, out: TextIO = sys.stdout) -> Report:
+    """Run once with ``opts``; returns the checker's report (also printed)."""
+    if opts.keep is not None:
+        opts.keep.mkdir(parents=True, exist_ok=True)
+        return await _run_in(opts, opts.keep, out)
+    with tempfile.TemporaryDirectory(prefix="fenceproxy-chaos-") as tmp:
+        return await _run_in(opts, Path(tmp), out)
+
+
+async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
+    run = _Run(opts, directory, random.Random(opts.seed), out)
+    f = opts.faults
+    ledger_port, proxy_port = free_port(), free_port()
+    ledger_argv = [
+        "--port", str(ledger_port), "--ledger", str(directory / "ledger.jsonl"),
+        "--seed", str(opts.seed),
+        "--slow", "0.05" if "slow" in f else "0", "--slow-seconds", str(_SLOW_SECONDS),
+        "--drop", "0.03" if "drop" in f else "0",
+        "--error", "0.03" if "error" in f else "0",
+    ]  # fmt: skip
+    with (directory / "ledger.log").open("ab") as log:
+        ledger = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fenceproxy.chaos.ledger", *ledger_argv, stdout=log, stderr=log
+        )
+    config = directory / "fenceproxy.yaml"
+    config.write_text(
+        f"store: sqlite:///{directory / 'fenceproxy.db'}\n"
+        f"leases: {{default_ttl: {_TTL}, min_ttl: 0.1}}\n"
+        "shutdown_timeout: 5s\n"
+        "routes:\n"
+        f"  - name: ledger\n    path: /ledger/\n    upstream: http://127.0.0.1:{ledger_port}\n"
+        f"    timeout: {_PROXY_TIMEOUT}\n    quarantine: {_QUARANTINE}\n"
+    )
+    env = {BREAK_FENCE_ENV: "1"} if opts.break_fence else None
+    proxy = ProxyProcess(config, proxy_port, "--log-level", "WARNING", env=env)
+    try:
+        await _wait_port(ledger_port)
+        await proxy.start()
+        print(
+            f"chaos: seed {opts.seed}, {opts.duration:g}s, {opts.workers} workers on "
+            f"{opts.jobs} jobs, faults: {', '.join(sorted(f)) or 'none'}"
+            + (" -- FENCE CHECK OFF (mutation run)" if opts.break_fence else ""),
+            file=out,
+        )
+        for n in range(opts.workers):
+            run.workers.append(await _start_worker(run, n, proxy.url))
+        proxy = await _inject(run, proxy)
+        for worker in run.workers:
+            with _suppress_lookup():
+                worker.send_signal(signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(*(w.wait() for w in run.workers)), opts.duration + 60)
+        leases = await _final_leases(proxy.url, directory)
+    finally:
+        for worker in run.workers:
+            with _suppress_lookup():
+                worker.kill()
+        await proxy.stop()
+        with _suppress_lookup():
+            ledger.kill()
+        await ledger.wait()
+    report = check(_lines(directory / "ledger.jsonl"), _events(directory), leases)
+    report.counts.update(run.report_counts)
+    print(report.table(), file=out)
+    for violation in report.violations[:20]:
+        print(f"  VIOLATION: {violation}", file=out)
+    if len(report.violations) > 20:
+        print(f"  ... and {len(report.violations) - 20} more", file=out)
+    return report
+
+
+async def _start_worker(run: _Run, n: int, url: str) -> asyncio.subprocess.Process:
+    f = run.opts.faults
+    offset = run.rng.uniform(-3600, 3600) if "clock" in f else 0.0
+    argv = [
+        "--id", f"w{n}", "--url", url, "--history", str(run.dir / f"w{n}.jsonl"),
+        "--jobs", str(run.opts.jobs), "--duration", str(run.opts.duration),
+        "--ttl", str(_TTL), "--seed", str(run.opts.seed * 1000 + n),
+        "--clock-offset", str(offset),
+        "--stall", "0.08" if "stall" in f else "0",
+        "--dup", "0.3" if "dup" in f else "0",
+    ]  # fmt: skip
+    with (run.dir / f"w{n}.log").open("ab") as log:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fenceproxy.chaos.worker", *argv, stdout=log, stderr=log
+        )
+
+
+async def _inject(run: _Run, proxy: ProxyProcess) -> ProxyProcess:
+    """Inject process faults until the workers' time is up; returns the live proxy."""
+    f, rng = run.opts.faults, run.rng
+    kinds = [k for k in ("sigstop", "crash") if k in f]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + run.opts.duration
+    resumes: list[asyncio.Task[None]] = []
+    half = loop.time() + run.opts.duration / 2
+    missing = set(kinds)  # each switched-on kind happens at least once
+    while kinds and loop.time() < end - 2:
+        await asyncio.sleep(rng.uniform(0.5, 2.5))
+        if missing and loop.time() > half:
+            kind = sorted(missing)[0]
+        else:
+            kind = rng.choices(kinds, weights=[2 if k == "sigstop" else 1 for k in kinds])[0]
+        missing.discard(kind)
+        if kind == "sigstop":
+            worker = rng.choice(run.workers)
+            if worker.returncode is None:
+                worker.send_signal(signal.SIGSTOP)
+                run.report_counts["sigstops"] += 1
+                resumes.append(asyncio.create_task(_resume(worker, _TTL * rng.uniform(1.5, 3))))
+        else:
+            proxy.signal(signal.SIGKILL)
+            await proxy.wait()
+            run.report_counts["crashes"] += 1
+            proxy = await proxy.restart()
+    await asyncio.gather(*resumes)
+    return proxy
+
+
+async def _resume(worker: asyncio.subprocess.Process, after: float) -> None:
+    await asyncio.sleep(after)
+    with _suppress_lookup():
+        worker.send_signal(signal.SIGCONT)
+
+
+async def _final_leases(url: str, directory: Path) -> dict[str, dict[str, Any] | None]:
+    jobs = {e["job"] for e in _events(directory) if "job" in e}
+    jobs |= {e["job"] for e in _lines(directory / "ledger.jsonl")}
+    out: dict[str, dict[str, Any] | None] = {}
+    async with aiohttp.ClientSession() as http:
+        for job in sorted(jobs):
+            async with http.get(f"{url}/_leases/{job}") as r:
+                out[job] = await r.json() if r.status == 200 else None
+    return out
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _events(directory: Path) -> list[dict[str, Any]]:
+    return [e for path in sorted(directory.glob("w*.jsonl")) for e in _lines(path)]
+
+
+async def _wait_port(port: int) -> None:
+    async with asyncio.timeout(20):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.02)
+                continue
+            writer.close()
+            return
+
+
+class _suppress_lookup:
+    """Signalling a process that already exited is not an error here."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> bool:
+        return exc_type is not None and issubclass(exc_type, ProcessLookupError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fenceproxy chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of work")
+    parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="comma-separated, from: " + ", ".join(FAULTS) + " (or 'none')",
+    )
+    parser.add_argument(
+        "--break-fence",
+        action="store_true",
+        help="run against a build with the fence check off: the checker must report violations",
+    )
+    parser.add_argument("--keep", type=Path, help="keep the histories and ledger in this folder")
+    args = parser.parse_args(argv)
+    faults = frozenset() if args.faults == "none" else frozenset(args.faults.split(","))
+    if unknown := faults - set(FAULTS):
+        parser.error(f"unknown faults: {', '.join(sorted(unknown))}")
+    opts = ChaosOptions(
+        duration=args.duration,
+        workers=args.workers,
+        jobs=args.jobs,
+        seed=args.seed,
+        faults=faults,
+        break_fence=args.break_fence,
+        keep=args.keep,
+    )
+    report = asyncio.run(run_chaos(opts))
+    if args.break_fence:
+        caught = bool(report.violations)
+        print("mutation check: the checker " + ("caught" if caught else "MISSED") + " it")
+        return 0 if caught else 1
+    return 1 if report.violations else 0

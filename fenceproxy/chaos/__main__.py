@@ -1,0 +1,7 @@
+"""``python -m fenceproxy.chaos``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

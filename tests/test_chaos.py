@@ -1,0 +1,113 @@
+"""The fault-injection run: a short seeded run holds every invariant, the same run
+against a build with the fence check off is caught, and the checker itself flags
+each kind of violation it is given."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
+from fenceproxy.chaos.checker import check
+
+SHORT = ChaosOptions(duration=15, workers=4, jobs=2, seed=7, faults=frozenset(FAULTS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_short_run_with_every_fault_has_no_violation() -> None:
+    out = io.StringIO()
+    report = await run_chaos(SHORT, out)
+    assert report.violations == [], out.getvalue()
+    c = report.counts
+    # The faults really happened, and the proxy really refused and forwarded.
+    assert c["crashes"] >= 1, out.getvalue()
+    assert c["sigstops"] >= 1, out.getvalue()
+    assert c["stalls"] >= 1, out.getvalue()
+    assert c["forwarded"] > 20, out.getvalue()
+    assert c["completed"] > 5, out.getvalue()
+    assert c["duplicates"] >= 1, out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_the_same_run_without_the_fence_check_is_caught() -> None:
+    out = io.StringIO()
+    broken = ChaosOptions(**{**SHORT.__dict__, "break_fence": True})
+    report = await run_chaos(broken, out)
+    assert any("applied after generation" in v for v in report.violations), out.getvalue()
+
+
+def write(
+    op: str, status: int, slug: str = "", replayed: bool = False, **more: Any
+) -> dict[str, Any]:
+    return {"ev": "write", "op": op, "status": status, "slug": slug, "replayed": replayed, **more}
+
+
+def applied(seq: int, op: str, generation: int, key: str | None = None) -> dict[str, Any]:
+    return {"seq": seq, "op": op, "job": "j", "generation": generation, "key": key}
+
+
+def test_checker_passes_a_clean_history() -> None:
+    ledger = [applied(1, "a", 1, "k1"), applied(2, "b", 2)]
+    events = [
+        write("a", 200),
+        write("a", 200, replayed=True),
+        write("b", 200),
+        write("c", 409, "stale-generation"),
+        {"ev": "complete", "job": "j", "ok": True, "owner": "w2", "generation": 2},
+    ]
+    final = {"j": {"state": "completed", "owner": "w2", "generation": 2}}
+    assert check(ledger, events, final).violations == []
+
+
+@pytest.mark.parametrize(
+    ("ledger", "events", "final", "expected"),
+    [
+        pytest.param(
+            [applied(1, "b", 2), applied(2, "a", 1)], [], {}, "applied after generation",
+            id="generation-goes-down",
+        ),
+        pytest.param(
+            [applied(1, "a", 1, "k"), applied(2, "a", 1, "k")], [], {}, "applied 2 times",
+            id="key-twice",
+        ),
+        pytest.param([], [write("a", 200)], {}, "absent from the ledger", id="lost-2xx"),
+        pytest.param(
+            [applied(1, "a", 1)], [write("a", 409, "stale-generation")], {},
+            "but applied by the upstream", id="refused-but-applied",
+        ),
+        pytest.param(
+            [],
+            [
+                {"ev": "complete", "job": "j", "ok": True, "owner": "w1", "generation": 1},
+                {"ev": "complete", "job": "j", "ok": True, "owner": "w2", "generation": 2},
+            ],
+            {"j": {"state": "completed", "owner": "w2", "generation": 2}},
+            "completed 2 times", id="completed-twice",
+        ),
+        pytest.param(
+            [],
+            [{"ev": "complete", "job": "j", "ok": True, "owner": "w1", "generation": 1}],
+            {"j": {"state": "completed", "owner": "w2", "generation": 2}},
+            "highest generation is 2", id="completed-by-stale-holder",
+        ),
+    ],
+)  # fmt: skip
+def test_checker_flags_each_violation(
+    ledger: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    final: dict[str, Any],
+    expected: str,
+) -> None:
+    violations = check(ledger, events, final).violations
+    assert any(expected in v for v in violations), violations
+
+
+def test_unknown_outcomes_are_not_held_against_the_proxy() -> None:
+    # A 504 or a dropped connection may or may not have been applied.
+    ledger = [applied(1, "a", 1)]
+    events = [write("a", 504, "upstream-timeout"), write("b", 502, "upstream-failed")]
+    assert check(ledger, events, {}).violations == []
