@@ -79,6 +79,7 @@ class LeaseClient:
         self._session = session
         self._own_session = session is None
         self.margin = margin
+        self.request_timeout = request_timeout
         self._timeout = request_timeout
         self.clock = clock
         self.sleep = sleep
@@ -111,20 +112,25 @@ class LeaseClient:
         ttl: float | None = None,
         *,
         within: float | None = None,
+        not_after: float | None = None,
     ) -> Grant:
         """Extend the lease; ``within`` bounds the request (by default the client's
-        request timeout)."""
+        request timeout); a reply after ``not_after`` raises LeaseLost."""
         body: dict[str, Any] = {"owner": owner, "generation": generation}
         if ttl is not None:
             body["ttl"] = ttl
-        return await self._grant(job, "renew", body, within or self._timeout)
+        return await self._grant(job, "renew", body, within or self._timeout, not_after)
 
     async def complete(self, job: str, owner: str, generation: int) -> dict[str, Any]:
         """Mark the job done. Safe to retry: a repeat by the same holder answers the same."""
         return await self._call("POST", job, "complete", {"owner": owner, "generation": generation})
 
-    async def release(self, job: str, owner: str, generation: int) -> dict[str, Any]:
-        return await self._call("POST", job, "release", {"owner": owner, "generation": generation})
+    async def release(
+        self, job: str, owner: str, generation: int, *, within: float | None = None
+    ) -> dict[str, Any]:
+        return await self._call(
+            "POST", job, "release", {"owner": owner, "generation": generation}, within
+        )
 
     async def show(self, job: str) -> dict[str, Any]:
         return await self._call("GET", job, None, None)
@@ -137,27 +143,53 @@ class LeaseClient:
         ttl: float | None = None,
         renew_every: float | None = None,
     ) -> HeldLease:
-        """Claim ``job`` and keep it for the duration of an ``async with`` block."""
+        """Claim ``job`` and keep it for the duration of an ``async with`` block,
+        renewing every ``renew_every`` seconds (ttl/3 by default)."""
+        if renew_every is not None and (
+            renew_every <= 0 or (ttl is not None and renew_every >= ttl * (1 - self.margin))
+        ):
+            raise ValueError("renew_every must be above 0 and below the ttl minus the margin")
         return HeldLease(self, job, owner, ttl, renew_every)
 
     # -- plumbing ---------------------------------------------------------------
 
-    async def _grant(self, job: str, action: str, body: dict[str, Any], within: float) -> Grant:
+    async def _grant(
+        self,
+        job: str,
+        action: str,
+        body: dict[str, Any],
+        within: float,
+        not_after: float | None = None,
+    ) -> Grant:
+        """Send a claim or renewal; the grant, with its local deadline. A reply that
+        arrives after that deadline, or after ``not_after`` (the deadline of the
+        lease being renewed), raises LeaseLost."""
         sent = self.clock()  # before sending: the safe side of the server's clock
         record = await self._call("POST", job, action, body, within)
-        ttl = float(record["ttl"])
-        deadline = sent + ttl * (1 - self.margin)
-        if self.clock() >= deadline:
+        try:
+            ttl = float(record["ttl"])
+            grant = Grant(
+                job_id=str(record["job_id"]),
+                owner=str(record["owner"]),
+                generation=int(record["generation"]),
+                token=str(record["token"]),
+                ttl=ttl,
+                deadline=sent + ttl * (1 - self.margin),
+                record=record,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LeaseServiceError(f"lease service answered {action} with {record!r}") from exc
+        now = self.clock()
+        if now >= grant.deadline or (not_after is not None and now >= not_after):
+            if action == "claim":  # the store thinks we hold it: give it back
+                with contextlib.suppress(Exception):
+                    await self._call(
+                        "POST", job, "release",
+                        {"owner": grant.owner, "generation": grant.generation},
+                        min(self._timeout, 2.0),
+                    )  # fmt: skip
             raise LeaseLost(f"the {action} of {job!r} was answered after its local deadline")
-        return Grant(
-            job_id=str(record["job_id"]),
-            owner=str(record["owner"]),
-            generation=int(record["generation"]),
-            token=str(record["token"]),
-            ttl=ttl,
-            deadline=deadline,
-            record=record,
-        )
+        return grant
 
     async def _call(
         self,
@@ -171,14 +203,11 @@ class LeaseClient:
             raise RuntimeError("use LeaseClient in 'async with', or pass it a session")
         url = f"{self._base}/{quote(job, safe='')}" + (f"/{action}" if action else "")
         try:
-            async with self._session.request(
-                method,
-                url,
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=within or self._timeout),
-            ) as response:
-                status = response.status
-                answer = await response.json(content_type=None)
+            # asyncio's own timeout: aiohttp's rounds long ones up to a whole second.
+            async with asyncio.timeout(within or self._timeout):
+                async with self._session.request(method, url, json=body) as response:
+                    status = response.status
+                    answer = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise LeaseServiceError(
                 f"lease service at {self._base}: {type(exc).__name__}: {exc}"
@@ -268,9 +297,7 @@ class HeldLease:
         assert self._task is not None, "hold() needs a running task"
         self._cancelling = self._task.cancelling()
         self._grant = await self._client.claim(self.job_id, self.owner, self._ttl)
-        self._renewer = asyncio.create_task(
-            self._keep_alive(), name=f"fenceproxy-renew-{self.job_id}"
-        )
+        self._start_renewing()
         return self
 
     async def __aexit__(
@@ -280,21 +307,28 @@ class HeldLease:
         tb: TracebackType | None,
     ) -> bool:
         await self._stop_renewing()
+        if self._cancelled:
+            # As asyncio.timeout does: take back the one cancel we injected; only if
+            # no other cancel is pending is the CancelledError ours to convert.
+            assert self._task is not None
+            self._cancelled = False
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise LeaseLost(self._lost or "lease lost") from None
         if self._lost is not None:
-            if (
-                exc_type is asyncio.CancelledError
-                and self._cancelled
-                and self._task is not None
-                and self._task.uncancel() <= self._cancelling
-            ):
-                raise LeaseLost(self._lost) from None
-            if exc_type is None or not issubclass(exc_type, asyncio.CancelledError):
-                raise LeaseLost(self._lost) from exc
-            return False
+            if exc_type is None:
+                raise LeaseLost(self._lost)
+            if issubclass(exc_type, asyncio.CancelledError | LeaseLost):
+                return False
+            raise LeaseLost(self._lost) from exc
         if not self._ended:
-            # The body left without completing: let another worker have the job.
-            with contextlib.suppress(Exception):
-                await self._client.release(self.job_id, self.owner, self.generation)
+            # The body left without completing: let another worker have the job now,
+            # if the lease is still ours to give, and without outliving it.
+            left = self.deadline - self._client.clock()
+            if left > 0:
+                with contextlib.suppress(LeaseRefused, LeaseServiceError):
+                    await self._client.release(
+                        self.job_id, self.owner, self.generation, within=left
+                    )
             self._ended = True
         return False
 
@@ -305,39 +339,58 @@ class HeldLease:
             raise RuntimeError("the lease is held only inside 'async with hold(...)'")
         return self._grant
 
-    async def _end(self, call: Callable[[str, str, int], Awaitable[dict[str, Any]]]) -> None:
+    async def _end(self, call: Callable[..., Awaitable[dict[str, Any]]]) -> None:
         if self._lost is not None:
             raise LeaseLost(self._lost)
+        # No renewal may race the completion: it would be refused as completed.
+        await self._stop_renewing()
         try:
             await call(self.job_id, self.owner, self.generation)
         except LeaseRefused as exc:
             self._lose(f"the lease service refused: {exc}", cancel=False)
             raise LeaseLost(self._lost or str(exc)) from exc
+        except BaseException:
+            if not self.lost:
+                self._start_renewing()  # not ended: keep the lease while the caller decides
+            raise
         self._ended = True
-        await self._stop_renewing()
+
+    def _start_renewing(self) -> None:
+        self._renewer = asyncio.create_task(
+            self._keep_alive(), name=f"fenceproxy-renew-{self.job_id}"
+        )
 
     async def _stop_renewing(self) -> None:
+        """Stop the renewer and wait for it, without swallowing a cancellation aimed
+        at the caller."""
         renewer, self._renewer = self._renewer, None
         if renewer is not None and renewer is not asyncio.current_task():
             renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            await asyncio.wait({renewer})
 
     def _lose(self, why: str, *, cancel: bool = True) -> None:
         if self._lost is not None:
             return
         self._lost = why
         lease_log.warning("lease of %r at generation %s lost: %s", self.job_id, self.token, why)
-        if cancel and self._task is not None and not self._task.done():
+        if cancel and self._task is not None and not self._task.done() and not self._cancelled:
             self._cancelled = True
             self._task.cancel(msg=f"lease lost: {why}")
 
     async def _keep_alive(self) -> None:
+        try:
+            await self._renew_until_lost()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a renewer that dies must not leave the body running
+            self._lose(f"the renewer failed: {exc!r}")
+
+    async def _renew_until_lost(self) -> None:
         client = self._client
-        grant = self._granted()
-        every = self._renew_every or grant.ttl / 3
+        every = self._renew_every or self._granted().ttl / 3
         next_try = client.clock() + every
         while True:
+            grant = self._granted()
             await client.sleep(max(0.0, min(next_try, grant.deadline) - client.clock()))
             now = client.clock()
             if now >= grant.deadline:
@@ -346,12 +399,13 @@ class HeldLease:
             if now < next_try:
                 continue
             try:
-                grant = await client.renew(
+                renewed = await client.renew(
                     self.job_id,
                     self.owner,
                     grant.generation,
                     self._ttl,
-                    within=grant.deadline - now,
+                    within=min(client.request_timeout, grant.deadline - now),
+                    not_after=grant.deadline,
                 )
             except LeaseRefused as exc:
                 self._lose(f"renewal refused: {exc}")
@@ -363,5 +417,5 @@ class HeldLease:
                 lease_log.warning("renewal of %r failed, retrying: %s", self.job_id, exc)
                 next_try = client.clock() + min(every / 4, 1.0)
                 continue
-            self._grant = grant
+            self._grant = renewed
             next_try = client.clock() + every

@@ -5,14 +5,17 @@ past its local deadline, whatever the wall clock says."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.client import LeaseClient, LeaseLost, LeaseRefused, LeaseServiceError
+from fenceproxy.leases.service import LeaseService
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .conftest import ProxyFactory
@@ -189,3 +192,158 @@ async def test_cli_prints_the_reply_and_exits_non_zero_on_refusal(service: Clien
     code, out = await cli("show", "job-1")
     assert code == 0
     assert '"state": "completed"' in out
+
+
+async def test_an_outer_cancellation_at_exit_is_not_swallowed(service: Client) -> None:
+    """_stop_renewing does `with suppress(CancelledError): await renewer`: a cancellation
+    aimed at the worker's task while it waits for the renewer to die is eaten."""
+    task = asyncio.current_task()
+    assert task is not None
+    ran_on = False
+    async with LeaseClient(url(service)) as leases:
+        try:
+            async with leases.hold("job", owner="a", ttl=30):
+                # shutdown / TaskGroup sibling failure / timeout landing in this iteration
+                asyncio.get_running_loop().call_soon(task.cancel)
+            ran_on = True  # must not be reached: the task was cancelled
+        except asyncio.CancelledError:
+            task.uncancel()
+    assert not ran_on, f"cancellation swallowed; task.cancelling()={task.cancelling()}"
+
+
+async def test_a_body_that_swallows_the_cancel_leaves_enclosing_timeouts_intact(
+    service: Client, clock: FakeClock
+) -> None:
+    """When the body does not exit with CancelledError, __aexit__ raises LeaseLost but never
+    uncancel()s the cancel it injected; an enclosing asyncio.timeout then raises
+    CancelledError instead of TimeoutError."""
+    async with LeaseClient(url(service)) as leases:
+        outcome: BaseException | None = None
+        try:
+            async with asyncio.timeout(1.5):
+                with pytest.raises(LeaseLost):
+                    async with leases.hold("job", owner="a", ttl=0.6, renew_every=0.05):
+                        clock.advance(1)
+                        await leases.claim("job", "b", ttl=30)
+                        # A library that turns cancellation into a return:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.Event().wait()
+                cancelling = asyncio.current_task().cancelling()  # type: ignore[union-attr]
+                await asyncio.sleep(5)
+        except BaseException as exc:
+            outcome = exc
+        if isinstance(outcome, asyncio.CancelledError):
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        assert (cancelling, type(outcome)) == (0, TimeoutError), (cancelling, repr(outcome))
+
+
+async def test_an_odd_renewal_answer_loses_the_lease_and_stops_the_body(
+    start_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 200 without 'ttl' raises KeyError inside the renewer task: no LeaseServiceError,
+    no LeaseLost, the body is never cancelled, and the KeyError pops out of __aexit__."""
+
+    async def odd(self: LeaseService, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})  # e.g. a gateway's maintenance page
+
+    monkeypatch.setattr(LeaseService, "renew", odd)
+    service = await start_proxy(leases={})
+    body_cancelled = False
+    async with LeaseClient(url(service)) as leases:
+        with pytest.raises(LeaseLost, match="local deadline"):
+            async with asyncio.timeout(5):
+                async with leases.hold("job", owner="a", ttl=0.5, renew_every=0.1):
+                    try:
+                        await asyncio.sleep(2)  # 4x past the 0.45 s local deadline
+                    except asyncio.CancelledError:
+                        body_cancelled = True
+                        raise
+    assert body_cancelled
+
+
+class SlowCompleteReply(LeaseClient):
+    async def complete(self, job: str, owner: str, generation: int) -> dict[str, Any]:
+        answer = await super().complete(job, owner, generation)
+        await asyncio.sleep(0.3)  # the reply takes a while to come back
+        return answer
+
+
+async def test_a_slow_completion_is_not_undone_by_a_racing_renewal(service: Client) -> None:
+    """The renewer keeps running while complete() is in flight; its renewal is refused
+    with job-completed, _lose() cancels the body, and a successful complete surfaces as
+    LeaseLost."""
+    async with SlowCompleteReply(url(service)) as leases:
+        async with leases.hold("job", owner="a", ttl=0.6, renew_every=0.05) as lease:
+            await lease.complete()
+        assert (await leases.show("job"))["state"] == "completed"
+
+
+async def test_a_renewal_answered_after_the_deadline_does_not_revive_the_lease(
+    service: Client,
+) -> None:
+    """_grant checks the reply against the NEW deadline (sent + ttl*0.9), not the deadline
+    of the lease being renewed: a renewal confirmed after the lease's local deadline
+    revives it."""
+    fc = FakeClock(0.0)
+
+    async def sleep(delay: float) -> None:
+        if fc() >= 10:
+            await asyncio.Event().wait()  # one renewal is enough
+        fc.advance(delay)
+        await asyncio.sleep(0)
+
+    class SlowRenewReply(LeaseClient):
+        async def _call(self, method, job, action, body, within=None):  # type: ignore[no-untyped-def]
+            answer = await super()._call(method, job, action, body, within)
+            if action == "renew":
+                fc.advance(18)  # sent at 10, answered at 28; the lease's deadline was 27
+            return answer
+
+    async with SlowRenewReply(url(service), clock=fc, sleep=sleep) as leases:
+        with pytest.raises(LeaseLost):
+            async with leases.hold("job", owner="a", ttl=30) as lease:
+                assert lease.deadline == pytest.approx(27)
+                while lease.deadline == pytest.approx(27):
+                    await asyncio.sleep(0.01)
+                assert fc() == 28
+                lease.headers()  # should raise: nothing was confirmed before 27
+                await asyncio.sleep(0.2)
+
+
+async def test_release_on_exit_never_outlives_the_lease(
+    start_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Release on exit waits the full request_timeout (10 s) on a hung service, long after
+    the lease's own deadline made the release pointless (also on the cancellation path)."""
+
+    async def hang(self: LeaseService, request: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    monkeypatch.setattr(LeaseService, "release", hang)
+    service = await start_proxy(leases={})
+    async with LeaseClient(url(service)) as leases:
+        async with leases.hold("job", owner="a", ttl=1) as lease:
+            pass  # leave without completing: __aexit__ releases
+        late = time.monotonic() - lease.deadline
+    assert late < 1, f"exit blocked until {late:.1f}s past the lease's local deadline"
+
+
+async def test_a_claim_answered_too_late_is_given_back(service: Client) -> None:
+    """claim() answered after its local deadline raises LeaseLost but never releases:
+    the same owner's retry is refused lease-held for the rest of the ttl."""
+    readings = iter([0.0, 100.0])
+
+    def clock() -> float:
+        return next(readings, 200.0)
+
+    async with LeaseClient(url(service), clock=clock) as leases:
+        with pytest.raises(LeaseLost):
+            async with leases.hold("job", owner="a", ttl=30):
+                pass
+    # It was given back: the same owner may claim it again at once.
+    async with (
+        LeaseClient(url(service)) as leases,
+        leases.hold("job", owner="a", ttl=30) as lease,
+    ):
+        assert lease.generation == 2
