@@ -145,17 +145,20 @@ def complete(
     current: Lease | None, job: str, owner: str, generation: int, now: float
 ) -> Lease | Refusal:
     """Mark the job done, for the holder of a live lease; idempotent for that holder."""
-    held = _check_holder(current, job, owner, generation, now, done=LeaseState.COMPLETED)
-    if isinstance(held, Refusal):
-        return held
-    return replace(held, state=LeaseState.COMPLETED, lease_until=min(held.lease_until, now))
+    return _end(current, job, owner, generation, now, LeaseState.COMPLETED)
 
 
 def release(
     current: Lease | None, job: str, owner: str, generation: int, now: float
 ) -> Lease | Refusal:
     """Give the job up before the lease runs out; idempotent for that holder."""
-    held = _check_holder(current, job, owner, generation, now, done=LeaseState.RELEASED)
-    if isinstance(held, Refusal):
+    return _end(current, job, owner, generation, now, LeaseState.RELEASED)
+
+
+def _end(
+    current: Lease | None, job: str, owner: str, generation: int, now: float, state: LeaseState
+) -> Lease | Refusal:
+    held = _check_holder(current, job, owner, generation, now, done=state)
+    if isinstance(held, Refusal) or held.state is state:
         return held
-    return replace(held, state=LeaseState.RELEASED, lease_until=min(held.lease_until, now))
+    return replace(held, state=state, lease_until=min(held.lease_until, now))
