@@ -4,7 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest audit clean
+.PHONY: demo test lint typecheck pytest chaos audit clean
+
+# The long fault-injection run: make chaos DURATION=600 WORKERS=8 JOBS=3 SEED=1
+DURATION ?= 300
+WORKERS  ?= 8
+JOBS     ?= 3
+SEED     ?= 1
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +34,11 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest
+
+## Every fault on, for DURATION seconds, then the same run against a broken build.
+chaos: $(STAMP)
+	$(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) --seed $(SEED)
+	$(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) --seed $(SEED) --break-fence
 
 ## Known vulnerabilities in the installed dependencies fail the build. Needs PyPI's
 ## JSON API; --strict fails rather than passing when a dependency cannot be audited.

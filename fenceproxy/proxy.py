@@ -132,6 +132,17 @@ class Proxy:
         self._keys: dict[_Slot, KeyRecord] = {}
         self._quarantine: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # The previous process may have left writes in flight at the upstream: after
+        # a crash every job is quarantined for its route's time from now; after a
+        # clean stop, until the quarantines it left behind end.
+        now = monotonic()
+        self._started = now
+        self._crashed = store.crashed
+        self._quiet_until = now + max(0.0, store.quiet_until - store.now())
+        if self._crashed:
+            proxy_log.warning(
+                "recovering from an unclean stop: fenced writes wait out each route's quarantine"
+            )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         coding = request.headers.get(hdrs.TRANSFER_ENCODING)
@@ -148,10 +159,22 @@ class Proxy:
         return await self._fenced(request, route, path_job)
 
     async def close(self) -> None:
-        """Stop retrying key settlements (a restart reads them as unknown)."""
+        """Stop retrying key settlements (a restart reads them as unknown) and record
+        a clean stop, with the quarantines still running, for the next process."""
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        now = self._monotonic()
+        last = max([*self._quarantine.values(), self._recovery_end(), now])
+        with contextlib.suppress(StoreError):
+            await self._store.stop_cleanly(self._store.now() + (last - now))
+
+    def _recovery_end(self, route: Route | None = None) -> float:
+        """When writes left in flight by the previous process stop mattering."""
+        if not self._crashed:
+            return self._quiet_until
+        longest = route.quarantine if route is not None else self._router.longest_quarantine
+        return max(self._quiet_until, self._started + longest)
 
     # -- unfenced ---------------------------------------------------------------
 
@@ -245,7 +268,7 @@ class Proxy:
                 if isinstance(decision, Replay):
                     return _replay(decision.response)
                 outcome = "not-sent"
-                self._check_quarantine(write.job)
+                self._check_quarantine(write.job, route)
                 outcome = "unknown"  # from here on the write may reach the upstream
                 headers = forwarded_headers(request, self._trusted, None)
                 try:
@@ -280,20 +303,27 @@ class Proxy:
             if keyed and outcome is not None:
                 await self._settle(write, outcome)
 
-    def _check_quarantine(self, job: str) -> None:
+    def _check_quarantine(self, job: str, route: Route) -> None:
+        now = self._monotonic()
         until = self._quarantine.get(job)
-        if until is None:
-            return
-        left = until - self._monotonic()
-        if left <= 0:
+        if until is not None and until <= now:
             del self._quarantine[job]
-            return
-        raise JobQuarantined(
-            "an earlier write of this job got no answer and may still be applied by the "
-            "upstream; its later writes are refused until then so none can overtake it",
-            retry_after=left,
-            job=job,
-        )
+            until = None
+        if until is not None:
+            raise JobQuarantined(
+                "an earlier write of this job got no answer and may still be applied by the "
+                "upstream; its later writes are refused until then so none can overtake it",
+                retry_after=until - now,
+                job=job,
+            )
+        recovery = self._recovery_end(route)
+        if recovery > now:
+            raise JobQuarantined(
+                "the proxy restarted, and writes its previous process had in flight may "
+                "still be applied by the upstream; fenced writes wait until then",
+                retry_after=recovery - now,
+                job=job,
+            )
 
     def _quarantine_job(self, job: str, route: Route) -> None:
         if route.quarantine > 0:

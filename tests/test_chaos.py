@@ -12,7 +12,7 @@ import pytest
 from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
 
-SHORT = ChaosOptions(duration=15, workers=4, jobs=2, seed=7, faults=frozenset(FAULTS))
+SHORT = ChaosOptions(duration=20, workers=5, jobs=2, seed=7, faults=frozenset(FAULTS))
 
 
 @pytest.mark.slow

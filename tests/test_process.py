@@ -99,6 +99,38 @@ async def test_write_in_flight_at_kill_9_reads_as_unknown_after_restart(
     assert len(upstream.received) == 1
 
 
+async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
+    tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
+) -> None:
+    config = tmp_path / "quarantine.yaml"
+    config.write_text(
+        f"store: sqlite:///{tmp_path / 'fences.db'}\n"
+        "routes:\n"
+        f"  - {{name: billing, path: /billing/, upstream: '{upstream.url}', quarantine: 1s}}\n"
+    )
+    proxy = await ProxyProcess(config, free_port()).start()
+    try:
+        release = upstream.hold()
+        in_flight = asyncio.ensure_future(write(http, proxy, 1))
+        await upstream.wait_for(1)  # generation 1 is at the upstream, not yet applied
+        proxy.signal(signal.SIGKILL)
+        await proxy.wait()
+        with pytest.raises(aiohttp.ClientError):
+            await in_flight
+        await proxy.restart()
+        status, body = await write(http, proxy, 2)
+        assert status == 503
+        assert str(body["type"]).endswith("job-quarantined")
+        release()  # the old write lands late, as a slow upstream's would
+        async with asyncio.timeout(10):
+            while (status := (await write(http, proxy, 2))[0]) == 503:
+                await asyncio.sleep(0.1)
+        assert status == 200
+        assert [r.generation for r in upstream.received] == [1, 2]
+    finally:
+        await proxy.stop()
+
+
 async def test_sigterm_drains_writes_in_flight(
     spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:

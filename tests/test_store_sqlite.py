@@ -124,3 +124,19 @@ async def test_closed_store_refuses_work(store_path: Path) -> None:
 async def test_key_state_names_are_stable() -> None:
     # They are stored on disk: renaming one would misread existing stores.
     assert [s.value for s in KeyState] == ["in_flight", "completed", "unknown"]
+
+
+async def test_an_unclean_stop_is_known_to_the_next_opener(store_path: Path) -> None:
+    store = await SQLiteStore.open(store_path)
+    assert not store.crashed  # a new store
+    await store.close()  # closed without a clean stop: as after kill -9
+    store = await SQLiteStore.open(store_path)
+    assert store.crashed
+    await store.stop_cleanly(quiet_until=1234.5)
+    await store.close()
+    store = await SQLiteStore.open(store_path)
+    try:
+        assert not store.crashed
+        assert store.quiet_until == 1234.5
+    finally:
+        await store.close()

@@ -149,7 +149,7 @@ async def _start_worker(run: _Run, n: int, url: str) -> asyncio.subprocess.Proce
         "--jobs", str(run.opts.jobs), "--duration", str(run.opts.duration),
         "--ttl", str(_TTL), "--seed", str(run.opts.seed * 1000 + n),
         "--clock-offset", str(offset),
-        "--stall", "0.08" if "stall" in f else "0",
+        "--stall", "0.1" if "stall" in f else "0",
         "--dup", "0.3" if "dup" in f else "0",
     ]  # fmt: skip
     with (run.dir / f"w{n}.log").open("ab") as log:

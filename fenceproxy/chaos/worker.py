@@ -82,7 +82,7 @@ class _Worker:
             for _ in range(self.rng.randint(1, 4)):
                 headers = lease.headers()
                 if self.rng.random() < a.stall:
-                    pause = a.ttl * self.rng.uniform(1.3, 2.0)
+                    pause = a.ttl * self.rng.uniform(1.5, 3.0)
                     self.record(ev="stall", job=job, seconds=pause)
                     time.sleep(pause)  # noqa: ASYNC251 -- on purpose: a stall of the whole loop
                 await self._write(http, job, headers)

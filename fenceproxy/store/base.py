@@ -30,6 +30,17 @@ class Store(abc.ABC):
     callers fail closed on it.
     """
 
+    crashed: bool = False
+    """The previous process using the store did not stop cleanly: writes it had in
+    flight at an upstream may still be applied there."""
+    quiet_until: float = 0.0
+    """On the store's clock: until when the previous process, stopped cleanly, had
+    jobs quarantined."""
+
+    @abc.abstractmethod
+    async def stop_cleanly(self, quiet_until: float) -> None:
+        """Record a clean stop, with the end of the last quarantine it leaves behind."""
+
     @abc.abstractmethod
     async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal:
         """Decide ``write`` and, when admitted, durably raise the job's fence and mark

@@ -42,7 +42,7 @@ __all__ = ["SQLiteStore"]
 T = TypeVar("T")
 _Op = Callable[[aiosqlite.Connection], Awaitable[Any]]
 
-_SCHEMA_VERSION = 2
+_SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS fences (
     job         TEXT PRIMARY KEY,
@@ -72,6 +72,10 @@ CREATE TABLE IF NOT EXISTS leases (
     ttl         REAL NOT NULL,
     state       TEXT NOT NULL CHECK (state IN ('held', 'released', 'completed')),
     updated_at  REAL NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (
+    key         TEXT PRIMARY KEY,
+    value       REAL NOT NULL
 ) WITHOUT ROWID;
 """
 
@@ -154,6 +158,13 @@ class SQLiteStore(Store):
                     "%d idempotency keys were in flight at the last stop; marked unknown",
                     cursor.rowcount,
                 )
+            meta: dict[str, float] = {
+                str(k): float(v)
+                for k, v in await conn.execute_fetchall("SELECT key, value FROM meta")
+            }
+            crashed = meta.get("running") == 1
+            quiet_until = float(meta.get("quiet_until", 0.0))
+            await conn.execute("INSERT OR REPLACE INTO meta VALUES ('running', 1)")
             await conn.execute("COMMIT")
         except sqlite3.OperationalError as exc:
             await conn.close()
@@ -171,13 +182,17 @@ class SQLiteStore(Store):
             raise
         if not check_generations:
             store_log.error("THE FENCE CHECK IS OFF: stale writes will be forwarded (test build)")
-        return cls(
+        if crashed:
+            store_log.warning("the previous process using this store did not stop cleanly")
+        store = cls(
             conn,
             key_ttl=key_ttl,
             clock=clock,
             purge_interval=purge_interval,
             check_generations=check_generations,
         )
+        store.crashed, store.quiet_until = crashed, quiet_until
+        return store
 
     # -- the interface --------------------------------------------------------
 
@@ -321,6 +336,15 @@ class SQLiteStore(Store):
             return cursor.rowcount
 
         return await self._submit(op)  # type: ignore[no-any-return]
+
+    async def stop_cleanly(self, quiet_until: float) -> None:
+        async def op(conn: aiosqlite.Connection) -> None:
+            await conn.execute("INSERT OR REPLACE INTO meta VALUES ('running', 0)")
+            await conn.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('quiet_until', ?)", (quiet_until,)
+            )
+
+        await self._submit(op)
 
     async def close(self) -> None:
         if self._closing:
