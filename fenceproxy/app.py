@@ -77,5 +77,5 @@ def make_app(
     app.cleanup_ctx.append(resources)
     if leases is not None:
         app.router.add_routes(leases.routes())  # before the catch-all: the prefix wins
-    app.router.add_route("*", "/{tail:.*}", handle)
+    app.router.add_route("*", r"/{tail:[\s\S]*}", handle)  # any path, newlines included
     return app

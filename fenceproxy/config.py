@@ -358,6 +358,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a plain value", key_node.start_mark
+                ) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice", key_node.start_mark
@@ -384,6 +390,11 @@ def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) ->
         mark = getattr(exc, "problem_mark", None)
         if mark is not None:
             where = f"line {mark.line + 1}, column {mark.column + 1}: "
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(source, [("", f"{where}invalid YAML: {problem}")]) from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        # PyYAML's constructors raise these for values such as `!!int 30s`, a
+        # 5000-digit number or nesting too deep to build.
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ConfigError(source, [("", f"invalid YAML value: {detail}")]) from None
     return parse_config(data, source, overrides)

@@ -84,7 +84,7 @@ class RecordingUpstream:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
+        app.router.add_route("*", r"/{tail:[\s\S]*}", self._handle)
         return app
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:

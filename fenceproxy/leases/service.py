@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import unicodedata
 from typing import Annotated, Any
+from urllib.parse import unquote
 
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -83,22 +84,30 @@ class LeaseService:
     def __init__(self, spec: LeasesSpec) -> None:
         self.spec = spec
         self.store: Store | None = None
+        self._job_segment = spec.prefix.count("/") + 1
+
+    def _job(self, request: web.Request) -> str:
+        """The job id, from the still-encoded path: bytes that are not UTF-8 are
+        refused, never read as literal text."""
+        raw = request.rel_url.raw_path.split("/")[self._job_segment]
+        return parse_job(unquote(raw, errors="surrogateescape"), "path")
 
     def routes(self) -> list[web.RouteDef]:
         p = self.spec.prefix
+        job = "{job:[^/]+}"  # any segment; _job() reads and checks it from the raw path
         return [
-            web.post(p + "/{job}/claim", self.claim),
-            web.post(p + "/{job}/renew", self.renew),
-            web.post(p + "/{job}/complete", self.complete),
-            web.post(p + "/{job}/release", self.release),
-            web.get(p + "/{job}", self.show),
+            web.post(f"{p}/{job}/claim", self.claim),
+            web.post(f"{p}/{job}/renew", self.renew),
+            web.post(f"{p}/{job}/complete", self.complete),
+            web.post(f"{p}/{job}/release", self.release),
+            web.get(f"{p}/{job}", self.show),
             # Everything else under the prefix is the lease API's, never an upstream's.
             web.route("*", p, self.unknown),
-            web.route("*", p + "/{tail:.*}", self.unknown),
+            web.route("*", p + r"/{tail:[\s\S]*}", self.unknown),
         ]
 
     async def claim(self, request: web.Request) -> web.Response:
-        job = _job(request)
+        job = self._job(request)
         body = await _parse(request, _Claim)
         ttl = self._ttl(body.ttl)
         result = await self._change(
@@ -108,7 +117,7 @@ class LeaseService:
         return self._answer(result)
 
     async def renew(self, request: web.Request) -> web.Response:
-        job = _job(request)
+        job = self._job(request)
         body = await _parse(request, _Renew)
         ttl = None if body.ttl is None else self._ttl(body.ttl)
         return self._answer(
@@ -127,7 +136,7 @@ class LeaseService:
         return await self._end(request, model.release)
 
     async def show(self, request: web.Request) -> web.Response:
-        job = _job(request)
+        job = self._job(request)
         lease = await self._store().lease(job)
         if lease is None:
             raise LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
@@ -140,7 +149,7 @@ class LeaseService:
         )
 
     async def _end(self, request: web.Request, decide: Any) -> web.Response:
-        job = _job(request)
+        job = self._job(request)
         body = await _parse(request, _Holder)
         result = await self._change(
             job, lambda cur, fence, now: decide(cur, job, body.owner, body.generation, now)
@@ -185,10 +194,6 @@ class LeaseService:
                 "expires_in": max(0.0, lease.lease_until - now),
             }
         )
-
-
-def _job(request: web.Request) -> str:
-    return parse_job(request.match_info["job"], "path")
 
 
 def _invalid(field: str, message: str) -> LeaseRequestInvalid:
