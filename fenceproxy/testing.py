@@ -188,7 +188,9 @@ class ProxyProcess:
         port: int,
         *args: str,
         env: dict[str, str] | None = None,
+        log: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``log`` keeps its output in that file (appended); by default a temporary one."""
         self.port = port
         self._env = None if env is None else {**os.environ, **env}
         self.url = f"http://127.0.0.1:{port}"
@@ -196,7 +198,9 @@ class ProxyProcess:
             "-m", "fenceproxy", "serve", "-c", os.fspath(config),
             "--listen", f"127.0.0.1:{port}", *args,
         ]  # fmt: skip
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed by stop()
+        self._log = (  # closed by stop()
+            tempfile.TemporaryFile() if log is None else open(log, "a+b")  # noqa: SIM115
+        )
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self, within: float = 20.0) -> ProxyProcess:

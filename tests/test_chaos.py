@@ -29,6 +29,8 @@ async def test_short_run_with_every_fault_has_no_violation() -> None:
     assert c["forwarded"] > 20, out.getvalue()
     assert c["completed"] > 5, out.getvalue()
     assert c["duplicates"] >= 1, out.getvalue()
+    assert c["stale"] >= 1, out.getvalue()  # stale writes did reach the proxy
+    assert c["leases lost"] > c["stalls"], out.getvalue()  # SIGSTOPs cost leases too
 
 
 @pytest.mark.slow
@@ -53,6 +55,8 @@ def applied(seq: int, op: str, generation: int, key: str | None = None) -> dict[
 def test_checker_passes_a_clean_history() -> None:
     ledger = [applied(1, "a", 1, "k1"), applied(2, "b", 2)]
     events = [
+        {"ev": "claim", "job": "j", "ok": True, "owner": "w1", "generation": 1},
+        {"ev": "claim", "job": "j", "ok": True, "owner": "w2", "generation": 2},
         write("a", 200),
         write("a", 200, replayed=True),
         write("b", 200),
@@ -75,6 +79,26 @@ def test_checker_passes_a_clean_history() -> None:
             id="key-twice",
         ),
         pytest.param([], [write("a", 200)], {}, "absent from the ledger", id="lost-2xx"),
+        pytest.param(
+            [], [write("a", 0, "connection-error"), write("a", 200, replayed=True)], {},
+            "absent from the ledger", id="lost-but-replayed",
+        ),
+        pytest.param([applied(1, "x", 1)], [], {}, "sent by no worker", id="unsent-write"),
+        pytest.param(
+            [],
+            [
+                {"ev": "claim", "job": "j", "ok": True, "owner": "w1", "generation": 1},
+                {"ev": "claim", "job": "j", "ok": True, "owner": "w2", "generation": 1},
+            ],
+            {"j": {"state": "held", "owner": "w2", "generation": 1}},
+            "granted to w2", id="generation-granted-twice",
+        ),
+        pytest.param(
+            [],
+            [{"ev": "claim", "job": "j", "ok": True, "owner": "w1", "generation": 3}],
+            {"j": {"state": "held", "owner": "w0", "generation": 2}},
+            "generation 3 was granted", id="final-lease-behind",
+        ),
         pytest.param(
             [applied(1, "a", 1)], [write("a", 409, "stale-generation")], {},
             "but applied by the upstream", id="refused-but-applied",

@@ -4,14 +4,15 @@
 lease API on a SQLite store, a recording upstream with a durable ledger
 (:mod:`.ledger`) and N worker processes (:mod:`.worker`), injects the faults
 switched on, then checks the invariants (:mod:`.checker`) and prints one table.
-It exits 1 on any violation. Everything random is seeded: the same seed and
-options replay the same schedule of faults.
+It exits 1 on any violation. Every random choice is seeded (the runner's timetable
+of faults, each worker's and the upstream's choices); what the processes' timing
+decides, such as who wins a claim, is not: ``--keep`` keeps what to analyse.
 
 Faults (``--faults``, all by default):
 
     stall    a worker's event loop blocked past its lease before a write
     sigstop  SIGSTOP of a worker process past its lease, then SIGCONT
-    clock    each worker's wall clock off by up to an hour either way
+    clock    each worker's wall clock off by up to an hour either way (nothing may use it)
     crash    kill -9 of the proxy at random moments, restarted on the same store
     slow     the upstream applies some writes only after the proxy's timeout
     drop     the upstream drops connections, half of them after applying
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -75,6 +77,8 @@ async def run_chaos(opts: ChaosOptions, out: TextIO = sys.stdout) -> Report:
     """Run once with ``opts``; returns the checker's report (also printed)."""
     if opts.keep is not None:
         opts.keep.mkdir(parents=True, exist_ok=True)
+        if any(opts.keep.iterdir()):
+            raise ValueError(f"{opts.keep} is not empty: each run needs its own folder")
         return await _run_in(opts, opts.keep, out)
     with tempfile.TemporaryDirectory(prefix="fenceproxy-chaos-") as tmp:
         return await _run_in(opts, Path(tmp), out)
@@ -105,7 +109,9 @@ async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
         f"    timeout: {_PROXY_TIMEOUT}\n    quarantine: {_QUARANTINE}\n"
     )
     env = {BREAK_FENCE_ENV: "1"} if opts.break_fence else None
-    proxy = ProxyProcess(config, proxy_port, "--log-level", "WARNING", env=env)
+    proxy = ProxyProcess(
+        config, proxy_port, "--log-level", "WARNING", env=env, log=directory / "proxy.log"
+    )
     try:
         await _wait_port(ledger_port)
         await proxy.start()
@@ -119,20 +125,25 @@ async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
             run.workers.append(await _start_worker(run, n, proxy.url))
         proxy = await _inject(run, proxy)
         for worker in run.workers:
-            with _suppress_lookup():
+            with contextlib.suppress(ProcessLookupError):
                 worker.send_signal(signal.SIGCONT)
         await asyncio.wait_for(asyncio.gather(*(w.wait() for w in run.workers)), opts.duration + 60)
         leases = await _final_leases(proxy.url, directory)
     finally:
         for worker in run.workers:
-            with _suppress_lookup():
+            with contextlib.suppress(ProcessLookupError):
                 worker.kill()
         await proxy.stop()
-        with _suppress_lookup():
+        with contextlib.suppress(ProcessLookupError):
             ledger.kill()
         await ledger.wait()
     report = check(_lines(directory / "ledger.jsonl"), _events(directory), leases)
     report.counts.update(run.report_counts)
+    for n, worker in enumerate(run.workers):
+        if worker.returncode != 0:
+            report.violations.append(
+                f"worker w{n} exited with {worker.returncode}: see w{n}.log with --keep"
+            )
     print(report.table(), file=out)
     for violation in report.violations[:20]:
         print(f"  VIOLATION: {violation}", file=out)
@@ -165,6 +176,7 @@ async def _inject(run: _Run, proxy: ProxyProcess) -> ProxyProcess:
     loop = asyncio.get_running_loop()
     end = loop.time() + run.opts.duration
     resumes: list[asyncio.Task[None]] = []
+    stopped: set[int] = set()
     half = loop.time() + run.opts.duration / 2
     missing = set(kinds)  # each switched-on kind happens at least once
     while kinds and loop.time() < end - 2:
@@ -175,11 +187,20 @@ async def _inject(run: _Run, proxy: ProxyProcess) -> ProxyProcess:
             kind = rng.choices(kinds, weights=[2 if k == "sigstop" else 1 for k in kinds])[0]
         missing.discard(kind)
         if kind == "sigstop":
-            worker = rng.choice(run.workers)
-            if worker.returncode is None:
+            # Pause a worker that holds a lease, so the pause outlives it.
+            live = [
+                (n, w)
+                for n, w in enumerate(run.workers)
+                if w.returncode is None and n not in stopped
+            ]
+            holders = [(n, w) for n, w in live if (run.dir / f"w{n}.holding").exists()]
+            if holders or live:
+                n, worker = rng.choice(holders or live)
                 worker.send_signal(signal.SIGSTOP)
+                stopped.add(n)
                 run.report_counts["sigstops"] += 1
-                resumes.append(asyncio.create_task(_resume(worker, _TTL * rng.uniform(1.5, 3))))
+                pause = _TTL * rng.uniform(1.5, 3)
+                resumes.append(asyncio.create_task(_resume(worker, pause, stopped, n)))
         else:
             proxy.signal(signal.SIGKILL)
             await proxy.wait()
@@ -189,17 +210,20 @@ async def _inject(run: _Run, proxy: ProxyProcess) -> ProxyProcess:
     return proxy
 
 
-async def _resume(worker: asyncio.subprocess.Process, after: float) -> None:
+async def _resume(
+    worker: asyncio.subprocess.Process, after: float, stopped: set[int], n: int
+) -> None:
     await asyncio.sleep(after)
-    with _suppress_lookup():
+    with contextlib.suppress(ProcessLookupError):
         worker.send_signal(signal.SIGCONT)
+    stopped.discard(n)
 
 
 async def _final_leases(url: str, directory: Path) -> dict[str, dict[str, Any] | None]:
     jobs = {e["job"] for e in _events(directory) if "job" in e}
     jobs |= {e["job"] for e in _lines(directory / "ledger.jsonl")}
     out: dict[str, dict[str, Any] | None] = {}
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         for job in sorted(jobs):
             async with http.get(f"{url}/_leases/{job}") as r:
                 out[job] = await r.json() if r.status == 200 else None
@@ -229,14 +253,13 @@ async def _wait_port(port: int) -> None:
             return
 
 
-class _suppress_lookup:
-    """Signalling a process that already exited is not an error here."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> bool:
-        return exc_type is not None and issubclass(exc_type, ProcessLookupError)
+async def _until_terminated(run: Any) -> Report:
+    """Run, but turn SIGTERM into a cancellation, so every child is killed on the
+    way out rather than left running."""
+    task = asyncio.ensure_future(run)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    result: Report = await task
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,7 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         break_fence=args.break_fence,
         keep=args.keep,
     )
-    report = asyncio.run(run_chaos(opts))
+    try:
+        report = asyncio.run(_until_terminated(run_chaos(opts)))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.break_fence:
         caught = bool(report.violations)
         print("mutation check: the checker " + ("caught" if caught else "MISSED") + " it")

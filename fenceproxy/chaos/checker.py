@@ -7,9 +7,12 @@ Checked:
 1. per job, the generations in the ledger never go down (so no write of
    generation g reached the upstream after a write of a higher generation);
 2. no idempotency key is applied twice;
-3. every write the proxy answered 2xx (not replayed) is in the ledger;
+3. every write the proxy answered 2xx (first or replayed) is in the ledger, and
+   every write in the ledger was sent by some worker;
 4. every write the proxy refused, in every attempt, is absent from the ledger;
-5. each job is completed at most once, and only by the holder of its highest
+5. no generation of a job was granted twice, and the job's final lease holds the
+   highest one granted;
+6. each job is completed at most once, and only by the holder of its highest
    generation.
 """
 
@@ -90,7 +93,7 @@ def check(
 
     # 1. Generations per job never go down in the order the upstream applied them.
     highest: dict[str, tuple[int, Any]] = {}
-    for entry in sorted(ledger, key=lambda e: e["seq"]):
+    for entry in ledger:  # in the order the upstream applied them
         job, generation = entry["job"], entry["generation"]
         if job in highest and generation < highest[job][0]:
             bad.append(
@@ -114,19 +117,31 @@ def check(
             attempts[event["op"]].append(event)
             _count_write(c, event)
     for op, tries in attempts.items():
-        answered = any(200 <= t["status"] < 300 and not t["replayed"] for t in tries)
+        answered = any(200 <= t["status"] < 300 for t in tries)  # a replay proves it too
         if answered and op not in applied_ops:
             bad.append(f"op {op}: answered 2xx but absent from the ledger (lost)")
         if all(t["slug"] in NOT_APPLIED for t in tries) and op in applied_ops:
             slugs = ", ".join(sorted({t["slug"] for t in tries}))
             bad.append(f"op {op}: refused ({slugs}) but applied by the upstream")
 
-    # 5. Completions: at most one per job, by the holder of its highest generation.
+    for op in applied_ops - attempts.keys():
+        bad.append(f"op {op}: applied by the upstream but sent by no worker")
+
+    # 5. Each generation granted once; the final lease holds the highest.
+    # 6. Completions: at most one per job, by the holder of its highest generation.
+    granted: dict[str, dict[int, str]] = defaultdict(dict)
     completions: dict[str, set[tuple[str, int]]] = defaultdict(set)
     for event in events:
         kind = event["ev"]
         if kind == "claim" and event["ok"]:
             c["claims"] += 1
+            job, generation = event["job"], event["generation"]
+            if generation in granted[job]:
+                bad.append(
+                    f"job {job}: generation {generation} granted to {event['owner']} and, "
+                    f"before, to {granted[job][generation]}"
+                )
+            granted[job][generation] = event["owner"]
         elif kind == "complete" and event["ok"]:
             completions[event["job"]].add((event["owner"], event["generation"]))
         elif kind == "lost":
@@ -146,6 +161,12 @@ def check(
                     f"job {job}: completed by {owner} at generation {generation}, but the "
                     f"highest generation is {final['generation']} ({final['owner']})"
                 )
+    for job, gens in granted.items():
+        final = leases.get(job)
+        if final is None or final["generation"] < max(gens):
+            bad.append(
+                f"job {job}: generation {max(gens)} was granted, but its lease reads {final}"
+            )
     c["completed"] = sum(1 for r in leases.values() if r and r.get("state") == "completed")
     return report
 

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
@@ -77,9 +80,10 @@ class _Worker:
         self, http: aiohttp.ClientSession, leases: LeaseClient, slot: int, job: str
     ) -> None:
         a = self.args
-        async with leases.hold(job, owner=a.id, ttl=a.ttl) as lease:
+        async with leases.hold(job, owner=a.id, ttl=a.ttl) as lease, _holding(a.history):
             self.record(ev="claim", job=job, ok=True, owner=a.id, generation=lease.generation)
             for _ in range(self.rng.randint(1, 4)):
+                await asyncio.sleep(self.rng.uniform(0, 0.2 * a.ttl))  # the work itself
                 headers = lease.headers()
                 if self.rng.random() < a.stall:
                     pause = a.ttl * self.rng.uniform(1.5, 3.0)
@@ -150,6 +154,18 @@ class _Worker:
             slug=slug,
             replayed=replayed,
         )
+
+
+@contextlib.asynccontextmanager
+async def _holding(history: str) -> AsyncIterator[None]:
+    """A marker file beside the history while a lease is held: the runner pauses
+    workers that hold one, so a pause outlives a lease."""
+    marker = Path(history).with_suffix(".holding")
+    marker.touch()
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 def main() -> None:
