@@ -17,7 +17,7 @@ from .client import LeaseClient
 from .config import Config, load_config, parse_listen
 from .demo import run_demo
 from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
-from .log import access_log, server_log
+from .log import MalformedRequestFilter, access_log, server_log
 
 __all__ = ["BREAK_FENCE_ENV", "main"]
 
@@ -70,6 +70,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 def _serve(config: Config, log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(MalformedRequestFilter())
     host, port = parse_listen(config.listen)
     server_log.info(
         "fenceproxy on http://%s:%d, store %s, %d route(s)",

@@ -187,3 +187,19 @@ async def test_bad_config_exits_non_zero_naming_the_key(tmp_path: Path) -> None:
     assert "exited 2" in message
     assert f"{bad}: routes[0].upstream" in message
     assert "Traceback" not in message
+
+
+async def test_malformed_requests_are_logged_in_one_line_without_traceback(
+    spawn: Callable[..., ProxyProcess],
+) -> None:
+    proxy = await spawn().start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"POST /billing/x HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n")
+    await writer.drain()
+    assert (await reader.read()).startswith(b"HTTP/1.0 400")
+    writer.close()
+    proxy.signal(signal.SIGTERM)
+    assert await proxy.wait() == 0
+    log = proxy.output()
+    assert "refused a malformed request (400)" in log
+    assert "Traceback" not in log
