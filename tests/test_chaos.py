@@ -5,10 +5,12 @@ each kind of violation it is given."""
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import pytest
 
+from fenceproxy.app import make_app
 from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
 
@@ -135,3 +137,32 @@ def test_unknown_outcomes_are_not_held_against_the_proxy() -> None:
     ledger = [applied(1, "a", 1)]
     events = [write("a", 504, "upstream-timeout"), write("b", 502, "upstream-failed")]
     assert check(ledger, events, {}).violations == []
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["fenceproxy", "fence-check-off"])
+async def test_checker_over_a_directed_stale_write(
+    aiohttp_client: Any, proxy_config: Any, upstream: Any, broken: bool
+) -> None:
+    """The mutation check without chance: generation 2 writes, then a stale
+    generation-1 write arrives. The real build refuses it and the checker is
+    content; the broken build applies it and the checker says so."""
+    proxy = await aiohttp_client(make_app(proxy_config(), break_fence=broken))
+    events = []
+    for op, generation in (("new", 2), ("stale", 1)):
+        answer = await proxy.post(
+            "/billing/x",
+            json={"op": op},
+            headers={"Fencing-Job": "j", "Fencing-Token": str(generation)},
+        )
+        slug = (await answer.json())["type"].rsplit(":", 1)[1] if answer.status >= 400 else ""
+        events.append(write(op, answer.status, slug))
+    ledger = [
+        {"seq": n, "op": json.loads(r.body)["op"], "job": r.job, "generation": r.generation}
+        for n, r in enumerate(upstream.received, 1)
+    ]
+    violations = check(ledger, events, {}).violations
+    if broken:
+        assert any("applied after generation 2" in v for v in violations), violations
+    else:
+        assert events[1]["slug"] == "stale-generation"
+        assert violations == []
