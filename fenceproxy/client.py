@@ -1,4 +1,4 @@
-"""The Python lease client.
+"""The Python lease client. In a coroutine, with an aiohttp ``session``:
 
     async with LeaseClient("http://127.0.0.1:8080") as leases:
         async with leases.hold("invoice-42", owner="worker-a", ttl=30) as lease:
