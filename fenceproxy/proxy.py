@@ -281,6 +281,10 @@ class Proxy:
                     else:
                         outcome = "not-sent"
                     raise
+                except asyncio.CancelledError:
+                    # Cut off mid-send (a shutdown past its drain time): it may land.
+                    self._quarantine_job(write.job, route)
+                    raise
             # The upstream has answered: the job's next write may go now.
             try:
                 if not keyed:

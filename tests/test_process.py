@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -203,3 +204,31 @@ async def test_malformed_requests_are_logged_in_one_line_without_traceback(
     log = proxy.output()
     assert "refused a malformed request (400)" in log
     assert "Traceback" not in log
+
+
+async def test_a_write_cut_off_at_shutdown_keeps_its_job_quarantined_after_restart(
+    tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
+) -> None:
+    config = tmp_path / "drain.yaml"
+    config.write_text(
+        f"store: sqlite:///{tmp_path / 'fences.db'}\n"
+        "shutdown_timeout: 300ms\n"
+        "routes:\n"
+        f"  - {{name: billing, path: /billing/, upstream: '{upstream.url}', quarantine: 30s}}\n"
+    )
+    proxy = await ProxyProcess(config, free_port()).start()
+    release = upstream.hold()
+    try:
+        in_flight = asyncio.ensure_future(write(http, proxy, 1))
+        await upstream.wait_for(1)
+        proxy.signal(signal.SIGTERM)  # the drain time runs out before the upstream answers
+        assert await proxy.wait() == 0
+        with contextlib.suppress(aiohttp.ClientError):
+            await in_flight
+        await proxy.restart()
+        status, body = await write(http, proxy, 2)
+        assert status == 503
+        assert str(body["type"]).endswith("job-quarantined")
+    finally:
+        release()
+        await proxy.stop()
