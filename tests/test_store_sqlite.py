@@ -140,3 +140,26 @@ async def test_an_unclean_stop_is_known_to_the_next_opener(store_path: Path) -> 
         assert store.quiet_until == 1234.5
     finally:
         await store.close()
+
+
+async def test_writes_that_change_nothing_cost_no_commit(store_path: Path) -> None:
+    store = await SQLiteStore.open(store_path)
+    try:
+        await store.admit(FencedWrite("r", "j", 5))
+        before = store.commits
+        # The same holder's further writes: the fence does not move, nothing to commit.
+        decisions = await asyncio.gather(
+            *(store.admit(FencedWrite("r", "j", 5)) for _ in range(20))
+        )
+        assert all(d == Admit(raise_to=None) for d in decisions)
+        assert store.commits == before
+        assert isinstance(await store.admit(FencedWrite("r", "j", 4)), StaleGeneration)
+        assert await store.admit(FencedWrite("r", "j", 6)) == Admit(raise_to=6)
+        assert store.commits == before + 1
+    finally:
+        await store.close()
+    store = await SQLiteStore.open(store_path)
+    try:
+        assert await store.generation("j") == 6
+    finally:
+        await store.close()

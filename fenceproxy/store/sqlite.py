@@ -40,9 +40,10 @@ from .base import JobLocks, LeaseChange, Store
 __all__ = ["SQLiteStore"]
 
 T = TypeVar("T")
-_Op = Callable[[aiosqlite.Connection], Awaitable[Any]]
+_Op = Callable[["_Batch"], Awaitable[Any]]
 
 _SCHEMA_VERSION = 3
+_FENCE_CACHE_MAX = 100_000
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS fences (
     job         TEXT PRIMARY KEY,
@@ -103,6 +104,7 @@ class SQLiteStore(Store):
         self._closing = False
         self.commits = 0
         """Transactions committed so far; fewer than operations under load."""
+        self._fences: dict[str, int | None] = {}
         self.locks = JobLocks()
         """The per-job locks behind :meth:`job_lock`."""
         self._writer = asyncio.create_task(self._write_loop(), name="fenceproxy-sqlite-writer")
@@ -197,15 +199,13 @@ class SQLiteStore(Store):
     # -- the interface --------------------------------------------------------
 
     async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal:
-        async def op(conn: aiosqlite.Connection) -> Admit | Replay | Refusal:
+        async def op(tx: _Batch) -> Admit | Replay | Refusal:
             now = self._clock()
-            row = await _one(conn, "SELECT generation FROM fences WHERE job = ?", (write.job,))
-            current = None if row is None else int(row[0])
+            current = await tx.fence(write.job)
             record = None
             if write.key is not None:
                 record = _record(
-                    await _one(
-                        conn,
+                    await tx.one(
                         "SELECT state, fingerprint, status, headers, body FROM idempotency_keys"
                         " WHERE route = ? AND job = ? AND key = ? AND expires_at > ?",
                         (write.route, write.job, write.key, now),
@@ -214,14 +214,9 @@ class SQLiteStore(Store):
             decision = decide(write, current if self._check_generations else None, record)
             if isinstance(decision, Admit):
                 if decision.raise_to is not None:
-                    await conn.execute(
-                        "INSERT INTO fences (job, generation, updated_at) VALUES (?, ?, ?)"
-                        " ON CONFLICT (job) DO UPDATE SET generation = excluded.generation,"
-                        " updated_at = excluded.updated_at",
-                        (write.job, decision.raise_to, now),
-                    )
+                    await tx.set_fence(write.job, decision.raise_to, now)
                 if write.key is not None:
-                    await conn.execute(
+                    await tx.write(
                         "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
                         " fingerprint, generation, created_at, expires_at)"
                         " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?)",
@@ -251,8 +246,8 @@ class SQLiteStore(Store):
         await self._update_key(write, "state = 'unknown'", ())
 
     async def forget_key(self, write: FencedWrite) -> None:
-        async def op(conn: aiosqlite.Connection) -> None:
-            await conn.execute(
+        async def op(tx: _Batch) -> None:
+            await tx.write(
                 "DELETE FROM idempotency_keys WHERE route = ? AND job = ? AND key = ?"
                 " AND state = 'in_flight'",
                 (write.route, write.job, write.key),
@@ -261,28 +256,25 @@ class SQLiteStore(Store):
         await self._submit(op)
 
     async def generation(self, job: str) -> int | None:
-        async def op(conn: aiosqlite.Connection) -> int | None:
-            row = await _one(conn, "SELECT generation FROM fences WHERE job = ?", (job,))
-            return None if row is None else int(row[0])
+        async def op(tx: _Batch) -> int | None:
+            return await tx.fence(job)
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
     async def change_lease(self, job: str, change: LeaseChange) -> Lease | Refusal:
-        async def op(conn: aiosqlite.Connection) -> Lease | Refusal:
+        async def op(tx: _Batch) -> Lease | Refusal:
             now = self._clock()
             current = _lease(
-                await _one(
-                    conn,
+                await tx.one(
                     "SELECT job, owner, generation, lease_until, ttl, state FROM leases"
                     " WHERE job = ?",
                     (job,),
                 )
             )
-            row = await _one(conn, "SELECT generation FROM fences WHERE job = ?", (job,))
-            fence = None if row is None else int(row[0])
+            fence = await tx.fence(job)
             result = change(current, fence, now)
             if isinstance(result, Lease) and result != current:
-                await conn.execute(
+                await tx.write(
                     "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
                     " state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
@@ -296,21 +288,15 @@ class SQLiteStore(Store):
                     ),
                 )
                 if fence is None or result.generation > fence:
-                    await conn.execute(
-                        "INSERT INTO fences (job, generation, updated_at) VALUES (?, ?, ?)"
-                        " ON CONFLICT (job) DO UPDATE SET generation = excluded.generation,"
-                        " updated_at = excluded.updated_at",
-                        (job, result.generation, now),
-                    )
+                    await tx.set_fence(job, result.generation, now)
             return result
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
     async def lease(self, job: str) -> Lease | None:
-        async def op(conn: aiosqlite.Connection) -> Lease | None:
+        async def op(tx: _Batch) -> Lease | None:
             return _lease(
-                await _one(
-                    conn,
+                await tx.one(
                     "SELECT job, owner, generation, lease_until, ttl, state FROM leases"
                     " WHERE job = ?",
                     (job,),
@@ -328,21 +314,18 @@ class SQLiteStore(Store):
     async def purge_expired(self) -> int:
         """Delete idempotency keys past their ttl; returns how many."""
 
-        async def op(conn: aiosqlite.Connection) -> int:
-            cursor = await conn.execute(
+        async def op(tx: _Batch) -> int:
+            return await tx.write(
                 "DELETE FROM idempotency_keys WHERE expires_at <= ? AND state != 'in_flight'",
                 (self._clock(),),
             )
-            return cursor.rowcount
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
     async def stop_cleanly(self, quiet_until: float) -> None:
-        async def op(conn: aiosqlite.Connection) -> None:
-            await conn.execute("INSERT OR REPLACE INTO meta VALUES ('running', 0)")
-            await conn.execute(
-                "INSERT OR REPLACE INTO meta VALUES ('quiet_until', ?)", (quiet_until,)
-            )
+        async def op(tx: _Batch) -> None:
+            await tx.write("INSERT OR REPLACE INTO meta VALUES ('running', 0)")
+            await tx.write("INSERT OR REPLACE INTO meta VALUES ('quiet_until', ?)", (quiet_until,))
 
         await self._submit(op)
 
@@ -362,8 +345,8 @@ class SQLiteStore(Store):
     async def _update_key(
         self, write: FencedWrite, assignments: str, params: tuple[Any, ...]
     ) -> None:
-        async def op(conn: aiosqlite.Connection) -> None:
-            await conn.execute(
+        async def op(tx: _Batch) -> None:
+            await tx.write(
                 f"UPDATE idempotency_keys SET {assignments}"
                 " WHERE route = ? AND job = ? AND key = ? AND state = 'in_flight'",
                 (*params, write.route, write.job, write.key),
@@ -390,22 +373,27 @@ class SQLiteStore(Store):
                 return
 
     async def _run_batch(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
+        tx = _Batch(self._conn, self._fences)
         results: list[Any] = []
         try:
-            await self._conn.execute("BEGIN IMMEDIATE")
             for op, _ in batch:
-                results.append(await op(self._conn))
-            await self._conn.execute("COMMIT")
-            self.commits += 1
+                results.append(await op(tx))
+            if tx.began:
+                await self._conn.execute("COMMIT")
+                self.commits += 1
         except Exception as exc:  # an op that fails fails its whole batch, closed
             store_log.error("SQLite transaction of %d operations failed: %s", len(batch), exc)
-            with contextlib.suppress(Exception):
-                await self._conn.execute("ROLLBACK")
+            if tx.began:
+                with contextlib.suppress(Exception):
+                    await self._conn.execute("ROLLBACK")
             error = StoreError(f"SQLite store failed: {exc}")
             for _, future in batch:
                 if not future.done():
                     future.set_exception(error)
             return
+        if len(self._fences) > _FENCE_CACHE_MAX:
+            self._fences.clear()
+        self._fences.update(tx.fences)  # committed: now the store's truth
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
@@ -421,10 +409,56 @@ class SQLiteStore(Store):
                 store_log.info("purged %d expired idempotency keys", removed)
 
 
-async def _one(conn: aiosqlite.Connection, sql: str, params: tuple[Any, ...]) -> Any:
-    """The first row, in one trip to the SQLite thread (a cursor would take three)."""
-    rows = await conn.execute_fetchall(sql, params)
-    return next(iter(rows), None)
+class _Batch:
+    """One group of operations, committed together.
+
+    Reads go straight to SQLite; the first write opens the transaction the batch
+    commits once, so a batch that only reads costs no commit. The writer loop is
+    the only user of the file (exclusive locking mode), so the operations of a batch
+    are atomic whether or not a transaction is open yet. Fences are read through the
+    store's cache, which the exclusive lock makes authoritative, and through the
+    batch's own changes, which join the cache once committed.
+    """
+
+    __slots__ = ("_cache", "began", "conn", "fences")
+
+    def __init__(self, conn: aiosqlite.Connection, cache: dict[str, int | None]) -> None:
+        self.conn = conn
+        self._cache = cache
+        self.fences: dict[str, int | None] = {}
+        self.began = False
+
+    async def one(self, sql: str, params: tuple[Any, ...]) -> Any:
+        """The first row, in one trip to the SQLite thread (a cursor would take three)."""
+        rows = await self.conn.execute_fetchall(sql, params)
+        return next(iter(rows), None)
+
+    async def write(self, sql: str, params: tuple[Any, ...] = ()) -> int:
+        """Run a write in the batch's transaction; the number of rows it changed."""
+        if not self.began:
+            await self.conn.execute("BEGIN IMMEDIATE")
+            self.began = True
+        cursor = await self.conn.execute(sql, params)
+        return cursor.rowcount
+
+    async def fence(self, job: str) -> int | None:
+        if job in self.fences:
+            return self.fences[job]
+        if job in self._cache:
+            return self._cache[job]
+        row = await self.one("SELECT generation FROM fences WHERE job = ?", (job,))
+        generation = None if row is None else int(row[0])
+        self._cache[job] = generation  # read from what is committed: true already
+        return generation
+
+    async def set_fence(self, job: str, generation: int, now: float) -> None:
+        await self.write(
+            "INSERT INTO fences (job, generation, updated_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (job) DO UPDATE SET generation = excluded.generation,"
+            " updated_at = excluded.updated_at",
+            (job, generation, now),
+        )
+        self.fences[job] = generation
 
 
 def _lease(row: Any) -> Lease | None:
