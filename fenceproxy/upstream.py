@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import Any
 
 import aiohttp
@@ -39,11 +39,19 @@ _NOT_RETURNED = hdrs.HOP_BY_HOP
 _NOT_STORED = hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA}
 
 
-def _connection_named(headers: CIMultiDictProxy[str]) -> set[istr]:
-    named: set[istr] = set()
-    for value in headers.getall("Connection", ()):
-        named.update(istr(token.strip()) for token in value.split(",") if token.strip())
-    return named
+def _copy_without(
+    headers: CIMultiDictProxy[str], drop: frozenset[istr]
+) -> Iterator[tuple[str, str]]:
+    """``headers`` less ``drop`` and less every header their ``Connection`` names."""
+    named = {
+        istr(token.strip())
+        for value in headers.getall("Connection", ())
+        for token in value.split(",")
+        if token.strip()
+    }
+    if named:
+        drop = drop | named
+    return ((name, value) for name, value in headers.items() if name not in drop)
 
 
 class TrustedProxies:
@@ -73,10 +81,7 @@ def forwarded_headers(
     Content-Length the aiohttp server already enforced on a body streamed through,
     or None to let aiohttp frame the body (a buffered body gets its exact length)."""
     incoming = request.headers
-    drop = _NOT_FORWARDED | _connection_named(incoming)
-    out: CIMultiDict[str] = CIMultiDict(
-        (name, value) for name, value in incoming.items() if name not in drop
-    )
+    out: CIMultiDict[str] = CIMultiDict(_copy_without(incoming, _NOT_FORWARDED))
     peer = request.remote
     believe = peer in trusted
     if not believe:
@@ -98,10 +103,7 @@ def forwarded_headers(
 
 def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
     """The upstream's response headers less hop-by-hop ones, plus Via."""
-    drop = _NOT_RETURNED | _connection_named(upstream.headers)
-    out: CIMultiDict[str] = CIMultiDict(
-        (name, value) for name, value in upstream.headers.items() if name not in drop
-    )
+    out: CIMultiDict[str] = CIMultiDict(_copy_without(upstream.headers, _NOT_RETURNED))
     _append_via(out, upstream.version)
     return out
 
@@ -109,8 +111,7 @@ def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
 def replayable_headers(upstream: aiohttp.ClientResponse) -> tuple[tuple[str, str], ...]:
     """The upstream's headers worth storing for a replay: no hop-by-hop, no framing
     (the replay is framed anew), no Via."""
-    drop = _NOT_STORED | _connection_named(upstream.headers)
-    return tuple((k, v) for k, v in upstream.headers.items() if k not in drop)
+    return tuple(_copy_without(upstream.headers, _NOT_STORED))
 
 
 def _append_via(headers: CIMultiDict[str], version: Any) -> None:
