@@ -16,20 +16,23 @@ from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def config_file(tmp_path: Path, upstream: RecordingUpstream) -> Path:
-    path = tmp_path / "fenceproxy.yaml"
+def write_config(
+    directory: Path, upstream: RecordingUpstream, *, shutdown: str = "20s", route: str = ""
+) -> Path:
+    """A config with one fenced route to ``upstream``; ``route`` adds route keys."""
+    path = directory / "fenceproxy.yaml"
     path.write_text(
-        f"""
-store: sqlite:///{tmp_path / "fences.db"}
-shutdown_timeout: 20s
-routes:
-  - name: billing
-    path: /billing/
-    upstream: {upstream.url}
-"""
+        f"store: sqlite:///{directory / 'fences.db'}\n"
+        f"shutdown_timeout: {shutdown}\n"
+        "routes:\n"
+        f"  - {{name: billing, path: /billing/, upstream: '{upstream.url}'{route}}}\n"
     )
     return path
+
+
+@pytest.fixture
+def config_file(tmp_path: Path, upstream: RecordingUpstream) -> Path:
+    return write_config(tmp_path, upstream)
 
 
 @pytest.fixture
@@ -103,12 +106,7 @@ async def test_write_in_flight_at_kill_9_reads_as_unknown_after_restart(
 async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
     tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
-    config = tmp_path / "quarantine.yaml"
-    config.write_text(
-        f"store: sqlite:///{tmp_path / 'fences.db'}\n"
-        "routes:\n"
-        f"  - {{name: billing, path: /billing/, upstream: '{upstream.url}', quarantine: 1s}}\n"
-    )
+    config = write_config(tmp_path, upstream, route=", quarantine: 1s")
     proxy = await ProxyProcess(config, free_port()).start()
     try:
         release = upstream.hold()
@@ -209,13 +207,7 @@ async def test_malformed_requests_are_logged_in_one_line_without_traceback(
 async def test_a_write_cut_off_at_shutdown_keeps_its_job_quarantined_after_restart(
     tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
-    config = tmp_path / "drain.yaml"
-    config.write_text(
-        f"store: sqlite:///{tmp_path / 'fences.db'}\n"
-        "shutdown_timeout: 300ms\n"
-        "routes:\n"
-        f"  - {{name: billing, path: /billing/, upstream: '{upstream.url}', quarantine: 30s}}\n"
-    )
+    config = write_config(tmp_path, upstream, shutdown="300ms", route=", quarantine: 30s")
     proxy = await ProxyProcess(config, free_port()).start()
     release = upstream.hold()
     try:
