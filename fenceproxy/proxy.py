@@ -188,7 +188,7 @@ class Proxy:
             )
         except UpstreamError as exc:
             if stream is not None and stream.too_large:
-                raise BodyTooLarge(_too_large(route), max_body=route.max_body) from exc
+                raise _body_too_large(route) from exc
             raise
         try:
             return await _relay(request, upstream)
@@ -413,14 +413,17 @@ async def _shielded(work: Awaitable[T]) -> T:
         raise
 
 
-def _too_large(route: Route) -> str:
-    return f"the body is larger than this route's limit of {route.max_body} bytes"
+def _body_too_large(route: Route) -> BodyTooLarge:
+    return BodyTooLarge(
+        f"the body is larger than this route's limit of {route.max_body} bytes",
+        max_body=route.max_body,
+    )
 
 
 def _check_length(request: web.Request, route: Route) -> None:
     length = request.content_length
     if length is not None and length > route.max_body:
-        raise BodyTooLarge(_too_large(route), max_body=route.max_body)
+        raise _body_too_large(route)
 
 
 async def _read_limited(request: web.Request, route: Route) -> bytes:
@@ -428,7 +431,7 @@ async def _read_limited(request: web.Request, route: Route) -> bytes:
     async for chunk in request.content.iter_chunked(_CHUNK):
         body += chunk
         if len(body) > route.max_body:
-            raise BodyTooLarge(_too_large(route), max_body=route.max_body)
+            raise _body_too_large(route)
     return bytes(body)
 
 

@@ -68,7 +68,6 @@ class _Run:
     opts: ChaosOptions
     dir: Path
     rng: random.Random
-    out: TextIO
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
     report_counts: dict[str, int] = field(default_factory=lambda: {"crashes": 0, "sigstops": 0})
 
@@ -85,7 +84,7 @@ async def run_chaos(opts: ChaosOptions, out: TextIO = sys.stdout) -> Report:
 
 
 async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
-    run = _Run(opts, directory, random.Random(opts.seed), out)
+    run = _Run(opts, directory, random.Random(opts.seed))
     f = opts.faults
     ledger_port, proxy_port = free_port(), free_port()
     ledger_argv = [
