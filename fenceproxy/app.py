@@ -27,16 +27,13 @@ def make_app(
     store: Store | None = None,
     clock: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
-    break_fence: bool = False,
 ) -> web.Application:
     """The proxy as an aiohttp application.
 
     The store named in ``config`` is opened at start-up and closed at clean-up,
     unless ``store`` is given, which the caller then owns. ``clock`` is the store's
-    wall clock (key expiry), ``monotonic`` the proxy's (quarantines).
-    ``break_fence`` turns the generation check off: a deliberately broken build for
-    showing that the fault-injection checker notices. Start-up fails with
-    StoreError when the store cannot be opened.
+    wall clock (key expiry), ``monotonic`` the proxy's (quarantines). Start-up fails
+    with StoreError when the store cannot be opened.
     """
     app = web.Application(middlewares=[problem_middleware], handler_args={"max_headers": 100})
     app[CONFIG_KEY] = config
@@ -49,7 +46,6 @@ def make_app(
             parse_store_url(config.store),
             key_ttl=config.idempotency.ttl,
             clock=clock,
-            check_generations=not break_fence,
         )
         upstreams = UpstreamPool(router)
         app[STORE_KEY] = opened

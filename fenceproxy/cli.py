@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -14,14 +13,12 @@ from aiohttp import web
 
 from .app import make_app
 from .client import LeaseClient
-from .config import Config, load_config, parse_listen
+from .config import Config, load_config, parse_listen, parse_store_url
 from .demo import run_demo
 from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
 from .log import MalformedRequestFilter, access_log, server_log
 
-__all__ = ["BREAK_FENCE_ENV", "main"]
-
-BREAK_FENCE_ENV = "FENCEPROXY_TEST_BREAK_FENCE"
+__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,15 +70,14 @@ def _serve(config: Config, log_level: str) -> None:
     logging.getLogger("aiohttp.server").addFilter(MalformedRequestFilter())
     host, port = parse_listen(config.listen)
     server_log.info(
-        "fenceproxy on http://%s:%d, store %s, %d route(s)",
+        "fenceproxy on http://%s:%d, %d route(s), store: SQLite file %s",
         host,
         port,
-        config.store,
         len(config.routes),
+        parse_store_url(config.store).path,
     )
     web.run_app(
-        # A test-only switch for the fault-injection run's mutation check.
-        make_app(config, break_fence=os.environ.get(BREAK_FENCE_ENV) == "1"),
+        make_app(config),
         host=host,
         port=port,
         shutdown_timeout=config.shutdown_timeout,

@@ -2,6 +2,8 @@
 
 * :class:`RecordingUpstream`: a real HTTP server on loopback that records every
   request it receives in full (what the API "applied") and answers as told.
+* :class:`RawUpstream`: an upstream that records the very bytes it receives, before
+  any HTTP library reads them, for asserting exactly what the proxy sent.
 * :class:`FakeClock`: a clock tests move by hand instead of sleeping.
 """
 
@@ -14,7 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ from . import hdrs
 __all__ = [
     "FakeClock",
     "ProxyProcess",
+    "RawRequest",
+    "RawUpstream",
     "Received",
     "RecordingUpstream",
     "drop_connection",
@@ -139,6 +143,94 @@ class RecordingUpstream:
             await runner.cleanup()
 
 
+@dataclass(frozen=True, slots=True)
+class RawRequest:
+    """One request as its bytes arrived: the head (request line and fields, without
+    the blank line) and the body, de-chunked if it was chunked."""
+
+    head: bytes
+    body: bytes
+
+    @property
+    def request_line(self) -> bytes:
+        return self.head.split(b"\r\n", 1)[0]
+
+    @property
+    def method(self) -> str:
+        return self.request_line.split(b" ")[0].decode("ascii")
+
+    @property
+    def target(self) -> str:
+        """The request target exactly as sent, percent-encoding and all."""
+        return self.request_line.split(b" ")[1].decode("latin-1")
+
+    @property
+    def fields(self) -> list[tuple[str, str]]:
+        """Every header field in the order sent, names as sent."""
+        out = []
+        for line in self.head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            out.append((name.decode("latin-1"), value.strip().decode("latin-1")))
+        return out
+
+    def values(self, name: str) -> list[str]:
+        """Every value of the field ``name`` (any case), in order."""
+        return [v for n, v in self.fields if n.lower() == name.lower()]
+
+
+class RawUpstream:
+    """An HTTP/1.1 upstream on loopback that records each request's bytes as they
+    arrive and answers ``200 {}``, keeping the connection open. It understands only
+    what a proxy sends it: ``Content-Length`` or chunked bodies."""
+
+    def __init__(self) -> None:
+        self.received: list[RawRequest] = []
+        self.url = ""
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(cls) -> AsyncIterator[RawUpstream]:
+        upstream = cls()
+        server = await asyncio.start_server(upstream._connection, "127.0.0.1", 0)
+        upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            yield upstream
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
+                request = RawRequest(head, b"")
+                if any(v.lower() == "chunked" for v in request.values("Transfer-Encoding")):
+                    body = await _read_chunked(reader)
+                else:
+                    lengths = request.values("Content-Length")
+                    body = await reader.readexactly(int(lengths[0])) if lengths else b""
+                received = RawRequest(head, body)
+                self.received.append(received)
+                answer = b"" if received.method == "HEAD" else b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")  # no trailers from a proxy
+            return bytes(body)
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+
+
 async def drop_connection(request: web.Request, received: Received) -> web.StreamResponse:
     """A ``respond`` that closes the connection without answering."""
     assert request.transport is not None
@@ -189,13 +281,18 @@ class ProxyProcess:
         *args: str,
         env: dict[str, str] | None = None,
         log: str | os.PathLike[str] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "fenceproxy"),
+        cwd: str | os.PathLike[str] | None = None,
     ) -> None:
-        """``log`` keeps its output in that file (appended); by default a temporary one."""
+        """``log`` keeps its output in that file (appended); by default a temporary one.
+        ``command`` runs the proxy (``serve -c ...`` is appended): another build's, say.
+        ``cwd`` is its working directory (by default this process's)."""
         self.port = port
+        self._cwd = cwd
         self._env = None if env is None else {**os.environ, **env}
         self.url = f"http://127.0.0.1:{port}"
         self._argv = [
-            "-m", "fenceproxy", "serve", "-c", os.fspath(config),
+            *command, "serve", "-c", os.fspath(config),
             "--listen", f"127.0.0.1:{port}", *args,
         ]  # fmt: skip
         self._log = (  # closed by stop()
@@ -206,7 +303,7 @@ class ProxyProcess:
     async def start(self, within: float = 20.0) -> ProxyProcess:
         """Start it and wait until it accepts connections; RuntimeError if it exits."""
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, *self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env
+            *self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env, cwd=self._cwd
         )
         async with asyncio.timeout(within):
             while True:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,12 @@ import pytest
 from fenceproxy.app import make_app
 from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
+from fenceproxy.store import sqlite as sqlite_store
+
+from .broken_fence import decide_ignoring_generations
+
+# The deliberately broken build: fenceproxy with a store that admits stale writes.
+BROKEN_PROXY = (sys.executable, str(Path(__file__).with_name("broken_fence.py")))
 
 SHORT = ChaosOptions(duration=20, workers=5, jobs=2, seed=7, faults=frozenset(FAULTS))
 
@@ -39,7 +47,7 @@ async def test_short_run_with_every_fault_has_no_violation() -> None:
 @pytest.mark.timeout(120)
 async def test_the_same_run_without_the_fence_check_is_caught() -> None:
     out = io.StringIO()
-    broken = ChaosOptions(**{**SHORT.__dict__, "break_fence": True})
+    broken = ChaosOptions(**{**SHORT.__dict__, "proxy_command": BROKEN_PROXY})
     report = await run_chaos(broken, out)
     assert any("applied after generation" in v for v in report.violations), out.getvalue()
 
@@ -141,12 +149,18 @@ def test_unknown_outcomes_are_not_held_against_the_proxy() -> None:
 
 @pytest.mark.parametrize("broken", [False, True], ids=["fenceproxy", "fence-check-off"])
 async def test_checker_over_a_directed_stale_write(
-    aiohttp_client: Any, proxy_config: Any, upstream: Any, broken: bool
+    aiohttp_client: Any,
+    proxy_config: Any,
+    upstream: Any,
+    broken: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The mutation check without chance: generation 2 writes, then a stale
     generation-1 write arrives. The real build refuses it and the checker is
     content; the broken build applies it and the checker says so."""
-    proxy = await aiohttp_client(make_app(proxy_config(), break_fence=broken))
+    if broken:
+        monkeypatch.setattr(sqlite_store, "decide", decide_ignoring_generations)
+    proxy = await aiohttp_client(make_app(proxy_config()))
     events = []
     for op, generation in (("new", 2), ("stale", 1)):
         answer = await proxy.post(

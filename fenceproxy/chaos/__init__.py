@@ -4,9 +4,11 @@
 lease API on a SQLite store, a recording upstream with a durable ledger
 (:mod:`.ledger`) and N worker processes (:mod:`.worker`), injects the faults
 switched on, then checks the invariants (:mod:`.checker`) and prints one table.
-It exits 1 on any violation. Every random choice is seeded (the runner's timetable
-of faults, each worker's and the upstream's choices); what the processes' timing
-decides, such as who wins a claim, is not: ``--keep`` keeps what to analyse.
+It exits 1 on any violation (with ``--expect-violations``, 1 when there is none: for
+a deliberately broken build given as ``--proxy-command``). Every random choice is
+seeded (the runner's timetable of faults, each worker's and the upstream's choices);
+what the processes' timing decides, such as who wins a claim, is not: ``--keep``
+keeps what to analyse.
 
 Faults (``--faults``, all by default):
 
@@ -29,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shlex
 import signal
 import sys
 import tempfile
@@ -39,7 +42,6 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from ..cli import BREAK_FENCE_ENV
 from ..testing import ProxyProcess, free_port
 from .checker import Report, check
 
@@ -59,7 +61,8 @@ class ChaosOptions:
     jobs: int = 3
     seed: int = 1
     faults: frozenset[str] = frozenset(FAULTS)
-    break_fence: bool = False
+    proxy_command: tuple[str, ...] = (sys.executable, "-m", "fenceproxy")
+    """What runs the proxy; ``serve -c FILE --listen ...`` is appended."""
     keep: Path | None = None
 
 
@@ -107,9 +110,13 @@ async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
         f"  - name: ledger\n    path: /ledger/\n    upstream: http://127.0.0.1:{ledger_port}\n"
         f"    timeout: {_PROXY_TIMEOUT}\n    quarantine: {_QUARANTINE}\n"
     )
-    env = {BREAK_FENCE_ENV: "1"} if opts.break_fence else None
     proxy = ProxyProcess(
-        config, proxy_port, "--log-level", "WARNING", env=env, log=directory / "proxy.log"
+        config,
+        proxy_port,
+        "--log-level",
+        "WARNING",
+        log=directory / "proxy.log",
+        command=opts.proxy_command,
     )
     try:
         await _wait_port(ledger_port)
@@ -117,7 +124,11 @@ async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
         print(
             f"chaos: seed {opts.seed}, {opts.duration:g}s, {opts.workers} workers on "
             f"{opts.jobs} jobs, faults: {', '.join(sorted(f)) or 'none'}"
-            + (" -- FENCE CHECK OFF (mutation run)" if opts.break_fence else ""),
+            + (
+                f", proxy: {shlex.join(opts.proxy_command)}"
+                if opts.proxy_command != ChaosOptions.proxy_command
+                else ""
+            ),
             file=out,
         )
         for n in range(opts.workers):
@@ -275,9 +286,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated, from: " + ", ".join(FAULTS) + " (or 'none')",
     )
     parser.add_argument(
-        "--break-fence",
+        "--proxy-command",
+        help="run the proxy with this command instead of fenceproxy's own (serve -c FILE ... "
+        "is appended), e.g. a deliberately broken build: python tests/broken_fence.py",
+    )
+    parser.add_argument(
+        "--expect-violations",
         action="store_true",
-        help="run against a build with the fence check off: the checker must report violations",
+        help="exit 0 only if the checker reports a violation (for a broken --proxy-command)",
     )
     parser.add_argument("--keep", type=Path, help="keep the histories and ledger in this folder")
     args = parser.parse_args(argv)
@@ -290,14 +306,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs=args.jobs,
         seed=args.seed,
         faults=faults,
-        break_fence=args.break_fence,
+        proxy_command=(
+            tuple(shlex.split(args.proxy_command))
+            if args.proxy_command
+            else ChaosOptions.proxy_command
+        ),
         keep=args.keep,
     )
     try:
         report = asyncio.run(_until_terminated(run_chaos(opts)))
     except ValueError as exc:
         parser.error(str(exc))
-    if args.break_fence:
+    if args.expect_violations:
         caught = bool(report.violations)
         print("mutation check: the checker " + ("caught" if caught else "MISSED") + " it")
         return 0 if caught else 1

@@ -17,7 +17,6 @@ async def open_store(
     *,
     key_ttl: float,
     clock: Callable[[], float] = time.time,
-    check_generations: bool = True,
 ) -> Store:
     """Open the store a ``store:`` URL names. Raises StoreError when it cannot be
     opened, ValueError for a URL that config validation would have refused."""
@@ -27,5 +26,4 @@ async def open_store(
         synchronous=parsed.synchronous,
         key_ttl=key_ttl,
         clock=clock,
-        check_generations=check_generations,
     )

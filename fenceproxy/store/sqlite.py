@@ -93,10 +93,8 @@ class SQLiteStore(Store):
         key_ttl: float,
         clock: Callable[[], float],
         purge_interval: float,
-        check_generations: bool = True,
     ) -> None:
         self._conn = conn
-        self._check_generations = check_generations
         self._key_ttl = key_ttl
         self._clock = clock
         self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
@@ -121,12 +119,8 @@ class SQLiteStore(Store):
         key_ttl: float = 24 * 3600.0,
         clock: Callable[[], float] = time.time,
         purge_interval: float = 60.0,
-        check_generations: bool = True,
     ) -> SQLiteStore:
         """Open (and create or migrate) the store at ``path``.
-
-        ``check_generations=False`` is a deliberately broken store that admits stale
-        writes: it exists only so the fault-injection checker can be shown to catch it.
 
         Raises StoreLocked when another process has it open, StoreError when the
         file cannot be opened or is not a fenceproxy store.
@@ -182,8 +176,6 @@ class SQLiteStore(Store):
         except BaseException:
             await conn.close()
             raise
-        if not check_generations:
-            store_log.error("THE FENCE CHECK IS OFF: stale writes will be forwarded (test build)")
         if crashed:
             store_log.warning("the previous process using this store did not stop cleanly")
         store = cls(
@@ -191,7 +183,6 @@ class SQLiteStore(Store):
             key_ttl=key_ttl,
             clock=clock,
             purge_interval=purge_interval,
-            check_generations=check_generations,
         )
         store.crashed, store.quiet_until = crashed, quiet_until
         return store
@@ -211,7 +202,7 @@ class SQLiteStore(Store):
                         (write.route, write.job, write.key, now),
                     )
                 )
-            decision = decide(write, current if self._check_generations else None, record)
+            decision = decide(write, current, record)
             if isinstance(decision, Admit):
                 if decision.raise_to is not None:
                     await tx.set_fence(write.job, decision.raise_to, now)
