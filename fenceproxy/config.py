@@ -8,12 +8,13 @@ request: :mod:`fenceproxy.routes` compiles the validated routes once.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import yaml
 from pydantic import (
@@ -36,6 +37,7 @@ __all__ = [
     "LeasesSpec",
     "RouteSpec",
     "StoreURL",
+    "absolute_store_url",
     "load_config",
     "parse_config",
     "parse_listen",
@@ -101,7 +103,8 @@ def parse_store_url(value: str) -> StoreURL:
     parts = urlsplit(value)
     if parts.scheme != "sqlite" or parts.netloc or len(parts.path) < 2:
         raise ValueError(
-            "expected sqlite:///PATH (relative to the working directory) or sqlite:////ABSOLUTE"
+            "expected sqlite:///PATH (relative to the config file's folder) or "
+            "sqlite:////ABSOLUTE/PATH"
         )
     options = parse_qs(parts.query, keep_blank_values=True)
     synchronous = options.pop("synchronous", ["full"])[-1]
@@ -110,6 +113,17 @@ def parse_store_url(value: str) -> StoreURL:
     return StoreURL(
         "sqlite", unquote(parts.path[1:]), "full" if synchronous == "full" else "normal"
     )
+
+
+def absolute_store_url(value: str, base: str | os.PathLike[str]) -> str:
+    """``value`` with a relative SQLite path made absolute against the folder ``base``,
+    so the store is the same whatever the working directory; raises ValueError."""
+    path = parse_store_url(value).path
+    if os.path.isabs(path):
+        return value
+    query = urlsplit(value).query
+    absolute = os.path.abspath(os.path.join(base, path))
+    return f"sqlite:///{quote(absolute)}" + (f"?{query}" if query else "")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -131,7 +145,8 @@ def _header_name(value: str) -> str:
 class FenceSpec(_Model):
     """How a route reads fencing headers. Defaults match the lease client."""
 
-    methods: tuple[str, ...] = ("POST", "PUT", "PATCH", "DELETE")
+    methods: tuple[str, ...] | None = None
+    """The fenced methods; None (the default) for every method but GET, HEAD, OPTIONS."""
     job_header: str = "Fencing-Job"
     token_header: str = "Fencing-Token"
     key_header: str = "Idempotency-Key"
@@ -139,7 +154,9 @@ class FenceSpec(_Model):
 
     @field_validator("methods")
     @classmethod
-    def _methods(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _methods(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
         if not value:
             raise ValueError("at least one method is needed; use fence: false for none")
         for method in value:
@@ -199,6 +216,13 @@ class RouteSpec(_Model):
             raise ValueError("{job} may appear once")
         if "{job}" in value and not re.search(r"(^|/)\{job\}(/|$)", value):
             raise ValueError("{job} must be a whole path segment, as in /orders/{job}/")
+        # Requests are matched in their canonical form (fenceproxy.target), so a path
+        # that has none could never match.
+        if any(c in value for c in "%;\\"):
+            raise ValueError("must not hold '%', ';' or a backslash: write the path decoded")
+        segments = value.split("/")[1:]
+        if "." in segments or ".." in segments or "" in segments[:-1]:  # a trailing / is fine
+            raise ValueError("must not hold empty, '.' or '..' segments (as in //, /./, /../)")
         return value
 
     @field_validator("upstream")
@@ -375,6 +399,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) -> Config:
     """Read and validate a config file.
 
+    A relative SQLite path in the file is resolved against the file's folder; one in
+    ``overrides`` (``--store``) against the working directory.
+
     Raises ConfigError naming the file for an unreadable file, a YAML syntax error
     (with its line and column), or any invalid key.
     """
@@ -397,4 +424,6 @@ def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) ->
         # 5000-digit number or nesting too deep to build.
         detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ConfigError(source, [("", f"invalid YAML value: {detail}")]) from None
-    return parse_config(data, source, overrides)
+    config = parse_config(data, source, overrides)
+    base = os.getcwd() if overrides and "store" in overrides else Path(path).parent
+    return config.model_copy(update={"store": absolute_store_url(config.store, base)})

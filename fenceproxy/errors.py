@@ -9,6 +9,8 @@
     │   ├── LeaseRefused             the lease service refused (carries its problem)
     │   └── LeaseServiceError        the lease service could not be reached or answered oddly
     └── Refusal                      answered to the client as RFC 9457 problem+json
+        ├── RequestTargetMalformed   400  a path the proxy and an upstream could read differently
+        ├── MethodOverrideMalformed  400  a method-override header that is repeated or not a method
         ├── NoRoute                  404  no route matches the path
         ├── BodyTooLarge             413  body above the route's limit
         ├── UnsupportedFraming       501  a transfer coding other than chunked
@@ -74,8 +76,10 @@ __all__ = [
     "LeaseRequestMalformed",
     "LeaseServiceError",
     "LeaseSuperseded",
+    "MethodOverrideMalformed",
     "NoRoute",
     "Refusal",
+    "RequestTargetMalformed",
     "StaleGeneration",
     "StoreError",
     "StoreLocked",
@@ -170,6 +174,14 @@ class Refusal(FenceProxyError):
         if instance is not None:
             body["instance"] = instance
         return body
+
+
+class RequestTargetMalformed(Refusal):
+    slug, status, title = "request-target-malformed", 400, "Request path refused"
+
+
+class MethodOverrideMalformed(Refusal):
+    slug, status, title = "method-override-malformed", 400, "Method override malformed"
 
 
 class NoRoute(Refusal):

@@ -12,6 +12,7 @@ import enum
 import hashlib
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import (
@@ -22,6 +23,7 @@ from .errors import (
     FencingHeaderMalformed,
     IdempotencyKeyMalformed,
     KeyReused,
+    MethodOverrideMalformed,
     Refusal,
     StaleGeneration,
 )
@@ -41,6 +43,8 @@ __all__ = [
     "parse_generation",
     "parse_job",
     "parse_key",
+    "parse_method_override",
+    "single_field",
 ]
 
 GENERATION_MAX = 2**63 - 1
@@ -49,6 +53,38 @@ KEY_MAX_CHARS = 255
 
 _GENERATION = re.compile(r"[0-9]{1,19}", re.ASCII)
 _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?", re.ASCII)
+_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}", re.ASCII)
+
+
+def single_field(values: Sequence[str], header: str) -> str | None:
+    """The one value of a fencing field (job, token or key), or None when absent.
+
+    A field sent twice, or holding a comma-joined list, raises FencingHeaderMalformed:
+    servers disagree on whether the first, the last or the list wins, so the proxy
+    and the upstream could read different values.
+    """
+    if not values:
+        return None
+    if len(values) > 1 or "," in values[0]:
+        raise FencingHeaderMalformed(f"{header} must be sent once, with one value", header=header)
+    return values[0]
+
+
+def parse_method_override(fields: Sequence[tuple[str, str]]) -> str | None:
+    """The method named by the method-override fields of a request, upper-cased, or
+    None when there are none. More than one field, or a value that is not one method
+    token, raises MethodOverrideMalformed."""
+    if not fields:
+        return None
+    names = ", ".join(name for name, _ in fields)
+    if len(fields) > 1:
+        raise MethodOverrideMalformed(
+            f"more than one method override was sent ({names}); send one at most"
+        )
+    value = fields[0][1].strip()
+    if not _METHOD.fullmatch(value):
+        raise MethodOverrideMalformed(f"{names} must name one HTTP method")
+    return value.upper()
 
 
 def parse_generation(value: str, header: str) -> int:
@@ -93,12 +129,17 @@ def parse_key(value: str, header: str) -> str:
     return value
 
 
-def fingerprint(method: str, raw_path: str, body: bytes) -> bytes:
-    """What makes two requests with one key "the same request"."""
+def fingerprint(method: str, target: str, body: bytes, override: str | None = None) -> bytes:
+    """What makes two requests with one key "the same request": the method (and the
+    method an override names), the canonical path with the query, and the body. The
+    NUL after the target keeps ``/a?x`` + ``yz`` apart from ``/a?xy`` + ``z``: a
+    target never holds one."""
     digest = hashlib.sha256()
     digest.update(method.encode("ascii"))
+    if override is not None:
+        digest.update(b">" + override.encode("ascii"))  # ">" is no method character
     digest.update(b"\0")
-    digest.update(raw_path.encode("utf-8", "surrogateescape"))
+    digest.update(target.encode("utf-8", "surrogateescape"))
     digest.update(b"\0")
     digest.update(body)
     return digest.digest()

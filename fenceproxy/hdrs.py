@@ -10,11 +10,13 @@ __all__ = [
     "DEFAULT_TOKEN",
     "HOP_BY_HOP",
     "IDEMPOTENT_REPLAYED",
+    "METHOD_OVERRIDES",
     "TRANSFER_ENCODING",
     "VIA",
     "X_FORWARDED_FOR",
     "X_FORWARDED_HOST",
     "X_FORWARDED_PROTO",
+    "lower",
 ]
 
 DEFAULT_JOB = istr("Fencing-Job")
@@ -22,11 +24,26 @@ DEFAULT_TOKEN = istr("Fencing-Token")
 DEFAULT_KEY = istr("Idempotency-Key")
 
 IDEMPOTENT_REPLAYED = istr("Idempotent-Replayed")
+
+# Headers with which many frameworks let a request name another method than its own
+# (a GET with X-HTTP-Method-Override: DELETE is a DELETE to them).
+METHOD_OVERRIDES = (
+    istr("X-HTTP-Method-Override"),
+    istr("X-HTTP-Method"),
+    istr("X-Method-Override"),
+)
 TRANSFER_ENCODING = istr("Transfer-Encoding")
 VIA = istr("Via")
 X_FORWARDED_FOR = istr("X-Forwarded-For")
 X_FORWARDED_PROTO = istr("X-Forwarded-Proto")
 X_FORWARDED_HOST = istr("X-Forwarded-Host")
+
+
+def lower(names: frozenset[istr]) -> frozenset[str]:
+    """``names`` lower-cased, for matching with ``name.lower()``: membership in a set
+    of ``istr`` is case-sensitive."""
+    return frozenset(name.lower() for name in names)
+
 
 # RFC 9110 section 7.6.1, plus the de facto Proxy-Connection. Headers named in
 # Connection are hop-by-hop too; upstream.py drops those per message.

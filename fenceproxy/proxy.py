@@ -1,9 +1,15 @@
 """The request path: route, decide, forward, answer.
 
+Every request's path is made canonical first (:mod:`fenceproxy.target`); that one
+form is matched against the routes, gives the job, goes into the idempotency
+fingerprint and is what the upstream receives. A request is fenced when its route
+fences its method, or the method a method-override header names.
+
 A fenced write goes through these steps:
 
-1. its fencing headers are parsed and its body is read in full (up to the route's
-   ``max_body``), so nothing the client does later can hold up the job;
+1. its fencing headers are parsed (each must be sent once) and its body is read in
+   full (up to the route's ``max_body``), so nothing the client does later can hold
+   up the job;
 2. it waits for its job's turn (writes of one job go one at a time, first come
    first served);
 3. the store decides and commits the new fence and the key's *in flight* mark;
@@ -34,6 +40,7 @@ from multidict import CIMultiDict
 from . import hdrs
 from .errors import (
     BodyTooLarge,
+    FencingHeaderMalformed,
     FencingHeaderMissing,
     JobQuarantined,
     NoRoute,
@@ -55,10 +62,13 @@ from .fencing import (
     parse_generation,
     parse_job,
     parse_key,
+    parse_method_override,
+    single_field,
 )
 from .log import proxy_log
 from .routes import Route, Router
 from .store import Store
+from .target import canonical_path
 from .upstream import (
     TrustedProxies,
     UpstreamPool,
@@ -149,14 +159,24 @@ class Proxy:
         if coding is not None and coding.strip().lower() != "chunked":
             # Reject, never repair: the body would reach the upstream re-framed.
             raise UnsupportedFraming("the only transfer coding accepted is chunked")
-        raw_path = request.rel_url.raw_path
-        matched = self._router.match(raw_path)
+        url = request.rel_url
+        path = canonical_path(url.raw_path)
+        matched = self._router.match(path)
         if matched is None:
-            raise NoRoute(f"no route is configured for {raw_path!r}")
+            raise NoRoute(f"no route is configured for {path!r}")
         route, path_job = matched
-        if route.fence is None or request.method not in route.fence.methods:
-            return await self._pass_through(request, route)
-        return await self._fenced(request, route, path_job)
+        query = url.raw_query_string
+        target = f"{path}?{query}" if query else path
+        fence = route.fence
+        if fence is None:
+            return await self._pass_through(request, route, target)
+        h = request.headers
+        override = parse_method_override(
+            [(name, value) for name in hdrs.METHOD_OVERRIDES for value in h.getall(name, ())]
+        )
+        if fence.fences(request.method) or (override is not None and fence.fences(override)):
+            return await self._fenced(request, route, target, path_job, override)
+        return await self._pass_through(request, route, target)
 
     async def close(self) -> None:
         """Stop retrying key settlements (a restart reads them as unknown) and record
@@ -178,14 +198,14 @@ class Proxy:
 
     # -- unfenced ---------------------------------------------------------------
 
-    async def _pass_through(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def _pass_through(
+        self, request: web.Request, route: Route, target: str
+    ) -> web.StreamResponse:
         _check_length(request, route)
         stream = _LimitedBody(request, route.max_body) if request.body_exists else None
         headers = forwarded_headers(request, self._trusted, request.content_length)
         try:
-            upstream = await self._upstreams.send(
-                route, request.method, request.rel_url.raw_path_qs, headers, stream
-            )
+            upstream = await self._upstreams.send(route, request.method, target, headers, stream)
         except UpstreamError as exc:
             if stream is not None and stream.too_large:
                 raise _body_too_large(route) from exc
@@ -198,17 +218,23 @@ class Proxy:
     # -- fenced -----------------------------------------------------------------
 
     async def _fenced(
-        self, request: web.Request, route: Route, path_job: str | None
+        self,
+        request: web.Request,
+        route: Route,
+        target: str,
+        path_job: str | None,
+        override: str | None,
     ) -> web.StreamResponse:
         fence = route.fence
         assert fence is not None
         h = request.headers
-        if path_job is None:
-            assert fence.job_header is not None
-            raw_job, job_source = h.get(fence.job_header), str(fence.job_header)
-        else:
+        header_job = single_field(h.getall(fence.job_header, ()), str(fence.job_header))
+        raw_token = single_field(h.getall(fence.token_header, ()), str(fence.token_header))
+        raw_key = single_field(h.getall(fence.key_header, ()), str(fence.key_header))
+        if fence.job_in_path:
             raw_job, job_source = path_job, "path"
-        raw_token = h.get(fence.token_header)
+        else:
+            raw_job, job_source = header_job, str(fence.job_header)
         if raw_job is None or raw_token is None:
             missing = [
                 name
@@ -220,15 +246,19 @@ class Proxy:
                 missing=missing,
             )
         job = parse_job(raw_job, job_source)
+        if fence.job_in_path and header_job is not None and header_job != job:
+            raise FencingHeaderMalformed(
+                f"{fence.job_header} names another job than the path does",
+                header=str(fence.job_header),
+            )
         generation = parse_generation(raw_token, str(fence.token_header))
-        raw_key = h.get(fence.key_header)
         key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
         body = await _read_limited(request, route)
 
         if key is None:
             return await self._forward_fenced(
-                request, route, FencedWrite(route.name, job, generation), body
+                request, route, target, FencedWrite(route.name, job, generation), body
             )
 
         write = FencedWrite(
@@ -236,7 +266,7 @@ class Proxy:
             job,
             generation,
             key=key,
-            fingerprint=fingerprint(request.method, request.rel_url.raw_path_qs, body),
+            fingerprint=fingerprint(request.method, target, body, override),
             replay=fence.replay,
         )
         slot = (route.name, job, key)
@@ -249,14 +279,14 @@ class Proxy:
         assert write.fingerprint is not None
         self._keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint)
         try:
-            return await self._forward_fenced(request, route, write, body)
+            return await self._forward_fenced(request, route, target, write, body)
         finally:
             record = self._keys.get(slot)
             if record is not None and record.state is KeyState.IN_FLIGHT:
                 del self._keys[slot]  # settled in the store, or never reserved there
 
     async def _forward_fenced(
-        self, request: web.Request, route: Route, write: FencedWrite, body: bytes
+        self, request: web.Request, route: Route, target: str, write: FencedWrite, body: bytes
     ) -> web.StreamResponse:
         """Forward an admitted write in its job's turn; settle its key exactly once."""
         keyed = write.key is not None
@@ -270,10 +300,11 @@ class Proxy:
                 outcome = "not-sent"
                 self._check_quarantine(write.job, route)
                 outcome = "unknown"  # from here on the write may reach the upstream
-                headers = forwarded_headers(request, self._trusted, None)
+                assert route.fence is not None
+                headers = forwarded_headers(request, self._trusted, None, keep=route.fence.fields)
                 try:
                     upstream = await self._upstreams.send(
-                        route, request.method, request.rel_url.raw_path_qs, headers, body
+                        route, request.method, target, headers, body
                     )
                 except UpstreamError as exc:
                     if exc.sent:

@@ -1,32 +1,46 @@
 """Validated route specs compiled once into what a request needs: the longest
-matching prefix, the job id from the path, the fencing headers as ``istr``."""
+matching path, the job id from the path, the fencing headers as ``istr``.
+
+Routes are matched against the canonical path (:mod:`fenceproxy.target`) at segment
+boundaries: ``/billing`` matches ``/billing`` and ``/billing/...``, never
+``/billingXYZ``; ``/billing/`` matches ``/billing/...`` only."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from urllib.parse import quote, unquote
 
 from multidict import istr
 from yarl import URL
 
 from .config import RouteSpec
+from .target import decode_segment, encode_path
 
-__all__ = ["Fence", "Route", "Router"]
+__all__ = ["SAFE_METHODS", "Fence", "Route", "Router"]
 
-_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""What a route fences by default is every method but these."""
 
 
 @dataclass(frozen=True, slots=True)
 class Fence:
-    """How a route fences its writes. ``job_header`` is None when the job is in the path."""
+    """How a route fences its writes."""
 
-    methods: frozenset[str]
-    job_header: istr | None
+    methods: frozenset[str] | None
+    """The fenced methods; None for every method but :data:`SAFE_METHODS`."""
+    job_in_path: bool
+    job_header: istr
     token_header: istr
     key_header: istr
     replay: bool
+    fields: frozenset[str]
+    """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
+
+    def fences(self, method: str) -> bool:
+        if self.methods is None:
+            return method not in SAFE_METHODS
+        return method in self.methods
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,20 +65,31 @@ class Route:
         fence = None
         job_in_path = "{job}" in spec.path
         if spec.fence is not None:
+            methods = spec.fence.methods
             fence = Fence(
-                methods=frozenset(spec.fence.methods),
-                job_header=None if job_in_path else istr(spec.fence.job_header),
+                methods=None if methods is None else frozenset(methods),
+                job_in_path=job_in_path,
+                job_header=istr(spec.fence.job_header),
                 token_header=istr(spec.fence.token_header),
                 key_header=istr(spec.fence.key_header),
+                fields=frozenset(
+                    name.lower()
+                    for name in (
+                        spec.fence.job_header,
+                        spec.fence.token_header,
+                        spec.fence.key_header,
+                    )
+                ),
                 replay=spec.fence.on_duplicate == "replay",
             )
         pattern = None
         if job_in_path:
             head, _, tail = spec.path.partition("{job}")
             pattern = re.compile(
-                re.escape(quote(head, safe=_PATH_SAFE))
+                re.escape(encode_path(head))
                 + "(?P<job>[^/]+)"
-                + re.escape(quote(tail, safe=_PATH_SAFE))
+                + re.escape(encode_path(tail))
+                + ("" if tail.endswith("/") else "(?=/|$)")
             )
         return cls(
             name=spec.name,
@@ -76,19 +101,23 @@ class Route:
             connect_timeout=spec.connect_timeout,
             quarantine=spec.quarantine,
             max_body=spec.max_body,
-            _prefix=quote(spec.path, safe=_PATH_SAFE),
+            _prefix=encode_path(spec.path),
             _pattern=pattern,
         )
 
-    def match(self, raw_path: str) -> tuple[bool, str | None]:
-        """Whether ``raw_path`` (still percent-encoded) is under this route, and the
-        job id from the path when the route has ``{job}``."""
+    def match(self, path: str) -> tuple[bool, str | None]:
+        """Whether the canonical ``path`` is under this route, and the job id from
+        the path (decoded) when the route has ``{job}``."""
         if self._pattern is None:
-            return raw_path.startswith(self._prefix), None
-        m = self._pattern.match(raw_path)
+            prefix = self._prefix
+            inside = path.startswith(prefix) and (
+                prefix.endswith("/") or len(path) == len(prefix) or path[len(prefix)] == "/"
+            )
+            return inside, None
+        m = self._pattern.match(path)
         if m is None:
             return False, None
-        return True, unquote(m.group("job"), errors="surrogateescape")
+        return True, decode_segment(m.group("job"))
 
 
 class Router:
@@ -104,9 +133,10 @@ class Router:
     def __iter__(self) -> Iterator[Route]:
         return iter(self._routes)
 
-    def match(self, raw_path: str) -> tuple[Route, str | None] | None:
+    def match(self, path: str) -> tuple[Route, str | None] | None:
+        """The route for a canonical path, and its job id from the path if any."""
         for route in self._routes:
-            matched, job = route.match(raw_path)
+            matched, job = route.match(path)
             if matched:
                 return route, job
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterable, Iterable, Iterator
+from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
 import aiohttp
@@ -32,26 +32,39 @@ __all__ = [
 
 _VIA = "fenceproxy"
 # Set by the proxy itself or by aiohttp's framing, never copied from the client.
-_NOT_FORWARDED = hdrs.HOP_BY_HOP | {istr("Host"), istr("Content-Length"), istr("Expect")}
+# Header names below are lower-case and compared with ``name.lower()``: a set of
+# ``istr`` would compare them case-sensitively.
+_NOT_FORWARDED = hdrs.lower(
+    hdrs.HOP_BY_HOP | {istr("Host"), istr("Content-Length"), istr("Expect")}
+)
 # What a client may claim about itself; believed only from a trusted proxy.
 _CLIENT_CLAIMS = (istr("Forwarded"), istr("X-Real-IP"))
-_NOT_RETURNED = hdrs.HOP_BY_HOP
-_NOT_STORED = hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA}
+_NOT_RETURNED = hdrs.lower(hdrs.HOP_BY_HOP)
+_NOT_STORED = hdrs.lower(hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA})
 
 
 def _copy_without(
-    headers: CIMultiDictProxy[str], drop: frozenset[istr]
-) -> Iterator[tuple[str, str]]:
-    """``headers`` less ``drop`` and less every header their ``Connection`` names."""
+    headers: CIMultiDictProxy[str], drop: frozenset[str], keep: frozenset[str] = frozenset()
+) -> list[tuple[str, str]]:
+    """``headers`` in their order, less the lower-case names in ``drop`` and less
+    every header their ``Connection`` names, except those in ``keep``; names compared
+    case-insensitively. A name sent in two spellings goes on in its first one: given
+    ``X-A`` and ``x-a``, aiohttp's client would keep only the last field."""
     named = {
-        istr(token.strip())
+        token.strip().lower()
         for value in headers.getall("Connection", ())
         for token in value.split(",")
         if token.strip()
     }
     if named:
-        drop = drop | named
-    return ((name, value) for name, value in headers.items() if name not in drop)
+        drop = drop | (named - keep)
+    spelling: dict[str, str] = {}
+    out = []
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower not in drop:
+            out.append((spelling.setdefault(lower, name), value))
+    return out
 
 
 class TrustedProxies:
@@ -73,15 +86,21 @@ class TrustedProxies:
 
 
 def forwarded_headers(
-    request: web.BaseRequest, trusted: TrustedProxies, body_length: int | None
+    request: web.BaseRequest,
+    trusted: TrustedProxies,
+    body_length: int | None,
+    *,
+    keep: frozenset[str] = frozenset(),
 ) -> CIMultiDict[str]:
     """The headers to send upstream: the client's, less hop-by-hop ones, plus
     X-Forwarded-For/-Proto/-Host and Via. Incoming X-Forwarded-*, Forwarded and
     X-Real-IP values are kept only from a trusted peer. ``body_length`` is the
     Content-Length the aiohttp server already enforced on a body streamed through,
-    or None to let aiohttp frame the body (a buffered body gets its exact length)."""
+    or None to let aiohttp frame the body (a buffered body gets its exact length).
+    ``keep`` names (lower-case) headers forwarded even when ``Connection`` lists
+    them (the fencing fields, which the proxy read as the write's own)."""
     incoming = request.headers
-    out: CIMultiDict[str] = CIMultiDict(_copy_without(incoming, _NOT_FORWARDED))
+    out: CIMultiDict[str] = CIMultiDict(_copy_without(incoming, _NOT_FORWARDED, keep))
     peer = request.remote
     believe = peer in trusted
     if not believe:
@@ -150,7 +169,9 @@ class UpstreamPool:
                 session = aiohttp.ClientSession(
                     auto_decompress=False,
                     cookie_jar=aiohttp.DummyCookieJar(),
-                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+                    # Add nothing the client did not send: no User-Agent, Accept or
+                    # Accept-Encoding, and no Content-Type guessed for a body.
+                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                     connector=aiohttp.TCPConnector(limit=0, limit_per_host=256),
                 )
                 # aiohttp re-sends PUT and DELETE once when a pooled connection drops
@@ -162,7 +183,7 @@ class UpstreamPool:
         self,
         route: Route,
         method: str,
-        raw_path_qs: str,
+        target: str,
         headers: CIMultiDict[str],
         body: bytes | AsyncIterable[bytes] | None,
     ) -> aiohttp.ClientResponse:
@@ -171,7 +192,7 @@ class UpstreamPool:
         Raises UpstreamError (see :func:`map_client_error`); the caller must release
         the response it gets.
         """
-        url = URL(route.target + raw_path_qs, encoded=True)
+        url = URL(route.target + target, encoded=True)
         try:
             return await self._sessions[route.upstream].request(
                 method,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ from fenceproxy.config import parse_config
 from fenceproxy.store import Store
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
+from .nginx import NGINX, Nginx
+
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 
@@ -23,6 +25,17 @@ ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 async def upstream() -> AsyncIterator[RecordingUpstream]:
     async with RecordingUpstream.serve() as up:
         yield up
+
+
+@pytest.fixture(scope="session")
+def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
+    """A real nginx echoing the path it resolved (``make test`` installs it where it
+    can; elsewhere the tests that need it are skipped, saying so)."""
+    if NGINX is None:
+        pytest.skip("nginx is not installed (make test installs it when run as root)")
+    server = Nginx(tmp_path_factory.mktemp("nginx")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

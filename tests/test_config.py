@@ -77,7 +77,10 @@ def test_minimal_file_gives_documented_defaults(tmp_path: Path) -> None:
 
     assert isinstance(config, Config)
     assert parse_listen(config.listen) == ("127.0.0.1", 8080)
-    assert parse_store_url(config.store) == StoreURL("sqlite", "fenceproxy.db", "full")
+    # A relative SQLite path is the config file's folder's, whatever the working directory.
+    assert parse_store_url(config.store) == StoreURL(
+        "sqlite", str(tmp_path / "fenceproxy.db"), "full"
+    )
     assert config.trusted_proxies == ()
     assert config.idempotency.ttl == 86400.0
     assert config.idempotency.max_response == 1024 * 1024
@@ -92,7 +95,7 @@ def test_minimal_file_gives_documented_defaults(tmp_path: Path) -> None:
     assert route.connect_timeout == 5.0
     assert route.max_body == 10 * 1024 * 1024
     assert route.fence is not None
-    assert route.fence.methods == ("POST", "PUT", "PATCH", "DELETE")
+    assert route.fence.methods is None  # every method but GET, HEAD and OPTIONS
     assert route.fence.job_header == "Fencing-Job"
     assert route.fence.token_header == "Fencing-Token"
     assert route.fence.key_header == "Idempotency-Key"
@@ -102,7 +105,7 @@ def test_minimal_file_gives_documented_defaults(tmp_path: Path) -> None:
 def test_listen_and_store_default_when_omitted(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, one_route()))
     assert config.listen == "127.0.0.1:8080"
-    assert config.store == "sqlite:///fenceproxy.db"
+    assert config.store == f"sqlite:///{tmp_path}/fenceproxy.db"
 
 
 @pytest.mark.parametrize(
@@ -169,6 +172,18 @@ BAD_FILES = [
     pytest.param("routes: []\n", "routes", "at least 1 item", id="empty-routes"),
     pytest.param(
         one_route(path="billing/"), "routes[0].path", "must start with /", id="path-no-slash"
+    ),
+    *(
+        pytest.param(one_route(path=path), "routes[0].path", phrase, id=f"path-{path}")
+        for path, phrase in [
+            ("/billing//x/", "must not hold empty"),
+            ("/billing/./x", "must not hold empty, '.' or '..'"),
+            ("/a/../billing/", "must not hold empty, '.' or '..'"),
+            ("/billing/..", "must not hold empty, '.' or '..'"),
+            ("/caf%C3%A9/", "write the path decoded"),
+            ("/billing;v=1/", "must not hold '%', ';'"),
+            ("'/billing\\x/'", "a backslash"),
+        ]
     ),
     pytest.param(
         one_route(upstream="ftp://files.example/"),

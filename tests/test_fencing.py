@@ -444,3 +444,10 @@ def test_refusal_problem_carries_instance_when_given() -> None:
     problem = StaleGeneration("older").problem(instance="/billing/charges")
     assert problem["instance"] == "/billing/charges"
     assert "instance" not in StaleGeneration("older").problem()
+
+
+def test_a_method_override_is_part_of_what_a_key_identifies() -> None:
+    plain = fingerprint("GET", "/a", b"")
+    overridden = fingerprint("GET", "/a", b"", "DELETE")
+    assert overridden not in (plain, fingerprint("DELETE", "/a", b""))
+    assert overridden != fingerprint("GET", "/a", b"", "PUT")

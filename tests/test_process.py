@@ -224,3 +224,51 @@ async def test_a_write_cut_off_at_shutdown_keeps_its_job_quarantined_after_resta
     finally:
         release()
         await proxy.stop()
+
+
+async def test_a_relative_store_is_the_config_files_whatever_the_working_directory(
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+) -> None:
+    config = tmp_path / "etc" / "fenceproxy.yaml"
+    config.parent.mkdir()
+    config.write_text(
+        "store: sqlite:///state/fences.db\n"
+        f"routes:\n  - {{name: billing, path: /billing/, upstream: '{upstream.url}'}}\n"
+    )
+    (config.parent / "state").mkdir()
+    first_cwd, second_cwd = tmp_path / "a", tmp_path / "b"
+    first_cwd.mkdir()
+    second_cwd.mkdir()
+    port = free_port()
+
+    first = await ProxyProcess(config, port, cwd=first_cwd).start()
+    assert (await write(http, first, 7))[0] == 200
+    first.signal(signal.SIGTERM)
+    assert await first.wait() == 0
+    assert f"store: SQLite file {config.parent / 'state' / 'fences.db'}" in first.output()
+    await first.stop()
+
+    second = await ProxyProcess(config, port, cwd=second_cwd).start()
+    try:
+        status, body = await write(http, second, 6)
+        assert (status, body["type"]) == (409, "urn:fenceproxy:problem:stale-generation")
+    finally:
+        await second.stop()
+    assert [r.generation for r in upstream.received] == [7]
+    # No store was made in either working directory.
+    assert list(tmp_path.glob("[ab]/*")) == []  # noqa: ASYNC240
+
+
+async def test_a_relative_store_on_the_command_line_is_the_working_directorys(
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+) -> None:
+    config = write_config(tmp_path, upstream)
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    proxy = await ProxyProcess(config, free_port(), "--store", "sqlite:///cli.db", cwd=cwd).start()
+    try:
+        assert (await write(http, proxy, 1))[0] == 200
+        assert (cwd / "cli.db").exists()
+        assert f"store: SQLite file {cwd / 'cli.db'}" in proxy.output()
+    finally:
+        await proxy.stop()

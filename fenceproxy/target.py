@@ -1,0 +1,145 @@
+"""The request path as both the proxy and the upstream read it, decided once.
+
+A fence is only as good as the agreement between the proxy and the upstream about
+which path a write goes to. Upstreams resolve dot segments, decode percent-encoding
+and merge slashes before they route (nginx does all three), so a proxy that matched
+the raw path could fence ``/orders/fresh/../victim/pay`` as job ``fresh`` while the
+upstream applies it to ``victim``. :func:`canonical_path` turns the raw path into
+one form that is a fixed point of those normalisations; the proxy matches routes,
+takes the job and fingerprints keys on that form, and forwards it, so there is
+nothing left for the upstream to read differently. Requests whose reading depends on
+the upstream are refused (:class:`~fenceproxy.errors.RequestTargetMalformed`, 400)
+rather than guessed at.
+
+The rules, with nginx as the reference (``tests/test_target.py`` checks them against
+a real nginx when one is installed):
+
+* percent-encoded unreserved characters are decoded (``%2e`` is ``.``, ``%41`` is
+  ``A``) and other escapes get upper-case hex (RFC 3986 section 6.2.2);
+* characters a path may not hold raw (space is refused by the HTTP parser already;
+  ``"``, ``<``, ``{``, non-ASCII bytes ...) are percent-encoded;
+* empty segments are merged (``//`` is ``/``), then ``.`` and ``..`` segments are
+  resolved (RFC 3986 section 5.2.4), in that order, as nginx does;
+* refused: a path that climbs above the root (``/..``), a malformed escape
+  (``%zz``), an encoded NUL; an encoded slash ``%2F`` or backslash ``%5C``, or a raw
+  backslash, anywhere (nginx decodes ``%2F`` into a separator, other servers keep it
+  as data); a double-encoded dot, slash or backslash (``%252e``: an upstream that
+  decodes twice would resolve it); a ``;`` (servlet containers strip ``;``
+  parameters before routing, so ``/..;/`` climbs there and is a name elsewhere:
+  send ``%3B`` for a literal semicolon).
+
+The query string is not touched.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+from .errors import RequestTargetMalformed
+
+__all__ = ["PATH_SAFE", "canonical_path", "decode_segment", "encode_path"]
+
+PATH_SAFE = frozenset(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,=:@/"
+)
+"""What a canonical path holds unescaped: RFC 3986 ``pchar`` and ``/``, less ``;``."""
+
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_HEX = frozenset("0123456789abcdefABCDEF")
+# Already canonical: only safe characters, no escapes, no empty or dot segments.
+_PLAIN = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,=:@/]*", re.ASCII)
+# Double-encoded ".", "/" and "\": an upstream that decodes twice would act on them.
+_DOUBLE = re.compile(r"%25(?:2e|2f|5c)", re.IGNORECASE | re.ASCII)
+# What each escape is refused for, by the byte it encodes.
+_REFUSED_BYTES = {
+    0x00: "an encoded NUL (%00)",
+    0x2F: "an encoded slash (%2F): upstreams disagree on whether it separates segments",
+    0x5C: "an encoded backslash (%5C): some upstreams read it as a separator",
+}
+
+
+def canonical_path(raw: str) -> str:
+    """The canonical, percent-encoded form of a request's raw path (no query).
+
+    Raises RequestTargetMalformed for a path the proxy and an upstream could read
+    differently, or one that is not a path at all; see the module docstring.
+    """
+    if _PLAIN.fullmatch(raw) and "/." not in raw and "//" not in raw:
+        return raw  # the common case: nothing to decode, merge or resolve
+    if not raw.startswith("/"):
+        raise RequestTargetMalformed("the request target must be a path starting with /")
+    if "\\" in raw:
+        raise RequestTargetMalformed(
+            "a backslash in the path is refused: some upstreams read it as a separator"
+        )
+    if ";" in raw:
+        raise RequestTargetMalformed(
+            "a ';' in the path is refused: servlet containers strip ';' parameters before "
+            "routing and other servers do not; send %3B for a literal semicolon"
+        )
+    if _DOUBLE.search(raw):
+        raise RequestTargetMalformed(
+            "a double-encoded dot, slash or backslash (%252e, %252f, %255c) is refused"
+        )
+    return _resolve(_normalise_escapes(raw))
+
+
+def _normalise_escapes(raw: str) -> str:
+    out: list[str] = []
+    i, n = 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c == "%":
+            digits = raw[i + 1 : i + 3]
+            if len(digits) != 2 or not _HEX.issuperset(digits):
+                raise RequestTargetMalformed("the path has a malformed percent-escape")
+            byte = int(digits, 16)
+            if byte in _REFUSED_BYTES:
+                raise RequestTargetMalformed(f"the path holds {_REFUSED_BYTES[byte]}")
+            decoded = chr(byte)
+            out.append(decoded if decoded in _UNRESERVED else "%" + digits.upper())
+            i += 3
+            continue
+        if c in PATH_SAFE:
+            out.append(c)
+        else:
+            out.append(encode_path(c))
+        i += 1
+    return "".join(out)
+
+
+def _resolve(path: str) -> str:
+    """Merge empty segments, then remove dot segments; a trailing ``/``, ``/.`` or
+    ``/..`` leaves the path ending in ``/``."""
+    segments = path.split("/")[1:]
+    last = len(segments) - 1
+    out: list[str] = []
+    for i, segment in enumerate(segments):
+        if segment == "..":
+            if not out:
+                raise RequestTargetMalformed("the path climbs above the root with '..'")
+            out.pop()
+        elif segment not in ("", "."):
+            out.append(segment)
+            continue
+        if i == last:
+            out.append("")
+    return "/" + "/".join(out)
+
+
+def encode_path(text: str) -> str:
+    """Percent-encode every character of ``text`` outside :data:`PATH_SAFE`, as
+    UTF-8 (surrogate-escaped bytes as themselves), with upper-case hex."""
+    if all(c in PATH_SAFE for c in text):
+        return text
+    return "".join(
+        c if c in PATH_SAFE else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogateescape"))
+        for c in text
+    )
+
+
+def decode_segment(segment: str) -> str:
+    """One segment of a canonical path, decoded (surrogate-escaped where the bytes
+    are not UTF-8)."""
+    return unquote(segment, errors="surrogateescape")

@@ -1,0 +1,463 @@
+"""The write the proxy fences is exactly the write the upstream receives: one
+canonical path, one value per fencing field, every write method fenced, nothing
+added or dropped. Raw bytes in over a socket, raw bytes recorded at the upstream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from urllib.parse import unquote_to_bytes
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from fenceproxy.errors import PROBLEM_BASE
+from fenceproxy.testing import RawUpstream
+
+from .conftest import ProxyFactory, raw_request
+from .nginx import Nginx, resolve_like_nginx
+from .test_target import SEGMENTS
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    async with RawUpstream.serve() as upstream:
+        yield upstream
+
+
+def request(
+    method: str,
+    target: str | bytes,
+    fields: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    body: bytes = b"{}",
+) -> bytes:
+    raw_target = target if isinstance(target, bytes) else target.encode("latin-1")
+    lines = [
+        method.encode() + b" " + raw_target + b" HTTP/1.1",
+        b"Host: proxy.test",
+        *(f"{name}: {value}".encode("latin-1") for name, value in fields),
+        b"Content-Length: %d" % len(body),
+        b"Connection: close",
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def fence(job: str | None, token: int | str, key: str | None = None) -> list[tuple[str, str]]:
+    fields = [("Fencing-Token", str(token))]
+    if job is not None:
+        fields.append(("Fencing-Job", job))
+    if key is not None:
+        fields.append(("Idempotency-Key", key))
+    return fields
+
+
+class Answer:
+    def __init__(self, raw: bytes) -> None:
+        head, _, self.body = raw.partition(b"\r\n\r\n")
+        self.status = int(head.split(b" ", 2)[1]) if head else 0
+        self.head = head.decode("latin-1").lower()
+
+    @property
+    def slug(self) -> str:
+        problem = json.loads(self.body)
+        assert self.status == problem["status"]
+        return str(problem["type"]).removeprefix(PROBLEM_BASE)
+
+
+async def send(port: int, data: bytes) -> Answer:
+    return Answer(await raw_request(port, data))
+
+
+ROUTES = [
+    {"name": "orders", "path": "/orders/{job}/", "upstream": "UP"},
+    {"name": "billing", "path": "/billing", "upstream": "UP"},
+    {"name": "health", "path": "/health", "upstream": "UP", "fence": False},
+]
+
+
+async def proxy_in_front_of(start_proxy: ProxyFactory, url: str) -> int:
+    """A proxy with ROUTES to ``url``, the victim job at generation 10; its port."""
+    proxy = await start_proxy([{**r, "upstream": url} for r in ROUTES])
+    assert proxy.port is not None
+    victim = await send(proxy.port, request("POST", "/orders/victim/pay", fence(None, 10)))
+    assert victim.status == 200
+    return proxy.port
+
+
+@pytest.fixture
+async def port(start_proxy: ProxyFactory, raw_upstream: RawUpstream) -> int:
+    port = await proxy_in_front_of(start_proxy, raw_upstream.url)
+    raw_upstream.received.clear()
+    return port
+
+
+# -- one canonical path ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/orders/fresh/../victim/pay",
+        "/orders/fresh/%2e%2e/victim/pay",
+        "/orders/fresh/%2E%2E/victim/pay",
+        "/orders/fresh/.%2e/victim/pay",
+        "/orders//fresh/./../victim/pay",
+        "/orders/%76ictim/pay",
+        "/health/../orders/victim/pay",
+    ],
+)
+async def test_a_dot_segment_cannot_move_a_stale_write_to_another_job(
+    port: int, raw_upstream: RawUpstream, target: str
+) -> None:
+    answer = await send(port, request("POST", target, fence(None, 3)))
+    assert (answer.status, answer.slug) == (409, "stale-generation")
+    assert b'"job": "victim"' in answer.body
+    assert raw_upstream.received == []
+
+
+async def test_the_resolved_path_is_what_the_upstream_receives(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    answer = await send(
+        port, request("POST", "/orders/fresh/%2e%2e/victim//pay/.?x=%2e%2e", fence(None, 11))
+    )
+    assert answer.status == 200
+    [received] = raw_upstream.received
+    assert received.target == "/orders/victim/pay/?x=%2e%2e"  # the query is not touched
+
+
+async def test_a_dot_segment_cannot_leave_an_unfenced_route(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    answer = await send(port, request("POST", "/health/../billing/charge"))
+    assert (answer.status, answer.slug) == (428, "fencing-header-missing")
+    assert raw_upstream.received == []
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/..",
+        "/orders/../../x",
+        "/orders/a%2Fb/pay",
+        "/orders/a%2fb/pay",
+        "/health/..%2F..%2Fbilling",
+        "/health/%5c../billing",
+        "/health/..;/billing/x",
+        "/orders/victim;x/pay",
+        "/orders/%252e%252e/victim/pay",
+        "/billing/%00",
+        "/billing/%zz",
+    ],
+)
+async def test_a_path_an_upstream_could_read_otherwise_is_400(
+    port: int, raw_upstream: RawUpstream, target: str
+) -> None:
+    for method, fields in (("POST", fence("victim", 11)), ("GET", [])):
+        answer = await send(port, request(method, target, fields))
+        assert (answer.status, answer.slug) == (400, "request-target-malformed")
+    assert raw_upstream.received == []
+
+
+async def test_routes_match_at_segment_boundaries(port: int, raw_upstream: RawUpstream) -> None:
+    assert (await send(port, request("GET", "/billingXYZ"))).slug == "no-route"
+    assert (await send(port, request("GET", "/healthz"))).slug == "no-route"
+    assert (await send(port, request("GET", "/orders"))).slug == "no-route"
+    assert raw_upstream.received == []
+    assert (await send(port, request("POST", "/billing", fence("j", 1)))).status == 200
+    assert (await send(port, request("POST", "/billing/x", fence("j", 1)))).status == 200
+    assert (await send(port, request("GET", "/health"))).status == 200
+    assert (await send(port, request("POST", "/orders/j", fence(None, 1)))).slug == "no-route"
+    assert (await send(port, request("POST", "/orders/j/", fence(None, 1)))).status == 200
+    assert [r.target for r in raw_upstream.received] == [
+        "/billing", "/billing/x", "/health", "/orders/j/",
+    ]  # fmt: skip
+
+
+# -- exactly one of each fencing field --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [("Fencing-Job", "j"), ("Fencing-Token", "999"), ("Fencing-Token", "4")],
+        [("Fencing-Job", "j"), ("Fencing-Token", "4, 999")],
+        [("Fencing-Job", "j"), ("Fencing-Job", "k"), ("Fencing-Token", "4")],
+        [("Fencing-Job", "j,k"), ("Fencing-Token", "4")],
+        [
+            ("Fencing-Job", "j"),
+            ("Fencing-Token", "4"),
+            ("Idempotency-Key", "a"),
+            ("idempotency-key", "b"),
+        ],
+        [("Fencing-Job", "j"), ("Fencing-Token", "4"), ("Idempotency-Key", "a,b")],
+        [("Fencing-Job", "j"), ("FENCING-TOKEN", "4"), ("fencing-token", "4")],
+    ],
+    ids=[
+        "token-twice",
+        "token-list",
+        "job-twice",
+        "job-list",
+        "key-twice",
+        "key-list",
+        "same-value-twice",
+    ],
+)
+async def test_a_fencing_field_sent_twice_or_as_a_list_is_400(
+    port: int, raw_upstream: RawUpstream, fields: list[tuple[str, str]]
+) -> None:
+    answer = await send(port, request("POST", "/billing/x", fields))
+    assert (answer.status, answer.slug) == (400, "fencing-header-malformed")
+    assert raw_upstream.received == []
+
+
+async def test_a_path_job_and_a_job_header_must_agree(port: int, raw_upstream: RawUpstream) -> None:
+    answer = await send(port, request("POST", "/orders/fresh/pay", fence("victim", 11)))
+    assert (answer.status, answer.slug) == (400, "fencing-header-malformed")
+    assert raw_upstream.received == []
+    assert (await send(port, request("POST", "/orders/fresh/pay", fence("fresh", 1)))).status == 200
+
+
+# -- every write is seen as a write -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["POST", "PUT", "PATCH", "DELETE", "MKCOL", "PROPPATCH", "MOVE", "COPY", "LOCK", "UNLOCK",
+     "PURGE", "MERGE", "QUERY", "REPORT", "SEARCH", "TRACE", "LINK", "UNLINK"],
+)  # fmt: skip
+async def test_every_method_but_get_head_options_is_fenced_by_default(
+    port: int, raw_upstream: RawUpstream, method: str
+) -> None:
+    answer = await send(port, request(method, "/billing/x"))
+    assert (answer.status, answer.slug) == (428, "fencing-header-missing")
+    stale = await send(port, request(method, "/orders/victim/x", fence(None, 9)))
+    assert (stale.status, stale.slug) == (409, "stale-generation")
+    assert raw_upstream.received == []
+
+
+async def test_get_head_options_pass_unfenced(port: int, raw_upstream: RawUpstream) -> None:
+    for method in ("GET", "HEAD", "OPTIONS"):
+        assert (await send(port, request(method, "/billing/x", body=b""))).status == 200
+    assert [r.method for r in raw_upstream.received] == ["GET", "HEAD", "OPTIONS"]
+
+
+async def test_a_route_can_name_its_own_methods(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    proxy = await start_proxy(
+        [{"name": "r", "path": "/r", "upstream": raw_upstream.url, "fence": {"methods": ["POST"]}}]
+    )
+    assert proxy.port is not None
+    assert (await send(proxy.port, request("PUT", "/r/x"))).status == 200
+    assert (await send(proxy.port, request("POST", "/r/x"))).status == 428
+
+
+@pytest.mark.parametrize("name", ["X-HTTP-Method-Override", "X-HTTP-Method", "x-method-override"])
+async def test_a_method_override_is_fenced_as_the_method_it_names(
+    port: int, raw_upstream: RawUpstream, name: str
+) -> None:
+    answer = await send(
+        port, request("GET", "/orders/victim/x", [(name, "DELETE"), *fence(None, 3)])
+    )
+    assert (answer.status, answer.slug) == (409, "stale-generation")
+    answer = await send(port, request("GET", "/billing/x", [(name, "delete")]))
+    assert (answer.status, answer.slug) == (428, "fencing-header-missing")
+    assert raw_upstream.received == []
+    fresh = await send(
+        port, request("GET", "/orders/victim/x", [(name, "DELETE"), *fence(None, 10)])
+    )
+    assert fresh.status == 200
+    [received] = raw_upstream.received
+    assert (received.method, received.values(name)) == ("GET", ["DELETE"])
+
+
+async def test_a_method_override_naming_a_safe_method_does_not_unfence_a_write(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    answer = await send(
+        port,
+        request("POST", "/orders/victim/x", [("X-HTTP-Method-Override", "GET"), *fence(None, 3)]),
+    )
+    assert (answer.status, answer.slug) == (409, "stale-generation")
+    assert (
+        await send(port, request("GET", "/billing/x", [("X-HTTP-Method-Override", "GET")]))
+    ).status == 200
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [("X-HTTP-Method-Override", "DELETE"), ("X-HTTP-Method-Override", "GET")],
+        [("X-HTTP-Method-Override", "GET"), ("X-HTTP-Method", "DELETE")],
+        [("X-HTTP-Method-Override", "GET, DELETE")],
+        [("X-Method-Override", "")],
+        [("X-HTTP-Method", "DE LETE")],
+    ],
+    ids=["twice", "two-names", "list", "empty", "not-a-method"],
+)
+async def test_an_ambiguous_method_override_is_400(
+    port: int, raw_upstream: RawUpstream, fields: list[tuple[str, str]]
+) -> None:
+    answer = await send(port, request("GET", "/billing/x", fields))
+    assert (answer.status, answer.slug) == (400, "method-override-malformed")
+    assert raw_upstream.received == []
+
+
+# -- the upstream sees what the client sent -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "fields"),
+    [("/billing/x", fence("j", 1, key="k1")), ("/health/x", [])],
+    ids=["fenced", "pass-through"],
+)
+async def test_the_upstream_receives_the_clients_fields_and_only_the_documented_changes(
+    port: int, raw_upstream: RawUpstream, target: str, fields: list[tuple[str, str]]
+) -> None:
+    sent = [
+        *fields,
+        ("X-App", "kept"),
+        ("x-app", "twice, in order"),
+        ("connection", "close, X-Hop, x-other-hop"),
+        ("x-hop", "dropped"),
+        ("X-Other-Hop", "dropped"),
+        ("keep-alive", "timeout=5"),
+        ("proxy-authorization", "Basic eA=="),
+        ("te", "trailers"),
+        ("x-forwarded-for", "6.6.6.6"),
+        ("forwarded", "for=6.6.6.6"),
+        ("x-real-ip", "6.6.6.6"),
+    ]
+    answer = await send(port, request("POST", target, sent, body=b"raw bytes, no type"))
+    assert answer.status == 200
+    [received] = raw_upstream.received
+    upstream_host = raw_upstream.url.removeprefix("http://")
+    expected = [
+        ("Host", upstream_host),
+        *[(n.lower(), v) for n, v in fields],
+        ("x-app", "kept"),
+        ("x-app", "twice, in order"),
+        ("content-length", "18"),
+        ("x-forwarded-for", "127.0.0.1"),
+        ("x-forwarded-proto", "http"),
+        ("x-forwarded-host", "proxy.test"),
+        ("via", "1.1 fenceproxy"),
+    ]
+    got = [(n.lower(), v) for n, v in received.fields]
+    assert sorted(got) == sorted((n.lower(), v) for n, v in expected)
+    assert [v for n, v in got if n == "x-app"] == ["kept", "twice, in order"]
+    assert received.body == b"raw bytes, no type"
+
+
+async def test_fencing_fields_named_in_connection_still_reach_the_upstream(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    fields = [
+        *fence("j", 5, key="k"),
+        ("Connection", "Fencing-Job, fencing-token, Idempotency-Key, X-Hop"),
+        ("X-Hop", "dropped"),
+    ]
+    assert (await send(port, request("POST", "/billing/x", fields))).status == 200
+    [received] = raw_upstream.received
+    assert received.values("Fencing-Job") == ["j"]
+    assert received.values("Fencing-Token") == ["5"]
+    assert received.values("Idempotency-Key") == ["k"]
+    assert received.values("X-Hop") == []
+
+
+# -- what an idempotency key identifies ----------------------------------------------------
+
+
+async def test_one_key_for_two_requests_split_differently_between_target_and_body_is_422(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    first = await send(port, request("POST", "/billing/x?a=1", fence("j", 1, key="k"), body=b"b"))
+    assert first.status == 200
+    second = await send(port, request("POST", "/billing/x?a=1b", fence("j", 1, key="k"), body=b""))
+    assert (second.status, second.slug) == (422, "idempotency-key-reused")
+    assert len(raw_upstream.received) == 1
+
+
+async def test_one_key_over_two_spellings_of_one_path_is_the_same_request(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    assert (
+        await send(port, request("POST", "/billing/a/../x", fence("j", 1, key="k")))
+    ).status == 200
+    replay = await send(port, request("POST", "/billing//x", fence("j", 1, key="k")))
+    assert replay.status == 200
+    assert "idempotent-replayed: true" in replay.head
+    assert len(raw_upstream.received) == 1
+
+
+# -- a property: no write reaches a job other than the one it was fenced for -------------
+
+FRONT = st.sampled_from(["/orders", "/health", "/billing", "/orders/victim", "/orders/fresh", ""])
+TAIL = st.lists(st.sampled_from(SEGMENTS), max_size=6).map("/".join)
+
+
+@given(front=FRONT, tail=TAIL, job=st.sampled_from([None, "victim", "fresh"]))
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@pytest.mark.timeout(300)
+async def test_no_stale_write_reaches_the_victim_whatever_the_path(
+    port: int, raw_upstream: RawUpstream, front: str, tail: str, job: str | None
+) -> None:
+    """Generation 3 writes, victim at 10: for any path built of segments, dots,
+    escapes, slashes and semicolons, whatever the upstream receives, resolved as nginx
+    would, is where the proxy routed it, has nothing left to resolve, and is never
+    under /orders/victim/. Never a 5xx."""
+    target = (front + "/" + tail).encode("latin-1")
+    before = len(raw_upstream.received)
+    answer = await send(port, request("POST", target, fence(job, 3)))
+    assert 200 <= answer.status < 500 or answer.status == 0, answer.body
+    if len(raw_upstream.received) == before:
+        event(f"refused {answer.status}")
+        return
+    event("forwarded")
+    [received] = raw_upstream.received[before:]
+    applied = resolve_like_nginx(received.target.encode("latin-1"))
+    assert applied == unquote_to_bytes(received.target), "the upstream would resolve it again"
+    assert applied == resolve_like_nginx(target), "the upstream would read the raw path elsewhere"
+    assert not applied.startswith(b"/orders/victim/")
+
+
+# -- against a real nginx --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "resolved"),
+    [
+        ("/orders/fresh/../victim/pay", b"/orders/victim/pay"),
+        ("/orders/fresh/%2e%2e/victim/pay", b"/orders/victim/pay"),
+        ("/health/./../billing//charge/", b"/billing/charge/"),
+        ("/billing/caf%c3%a9/%7e", "/billing/café/~".encode()),
+    ],
+)
+async def test_nginx_behind_the_proxy_applies_the_write_where_it_was_fenced(
+    start_proxy: ProxyFactory, nginx: Nginx, target: str, resolved: bytes
+) -> None:
+    port = await proxy_in_front_of(start_proxy, nginx.url)
+    answer = await send(port, request("POST", target, fence("victim", 10)))
+    assert answer.status == 200
+    assert answer.body == resolved
+    # nginx, given the raw path itself, resolves it to the same place.
+    assert nginx.uri(target.encode("latin-1")) == resolved
+
+
+async def test_nginx_fenced_job_from_a_dotted_path_is_the_job_nginx_applies(
+    start_proxy: ProxyFactory, nginx: Nginx
+) -> None:
+    routes = [{**r, "upstream": nginx.url} for r in ROUTES]
+    proxy = await start_proxy(routes)
+    assert proxy.port is not None
+    assert (
+        await send(proxy.port, request("POST", "/orders/victim/pay", fence(None, 10)))
+    ).status == 200
+    stale = await send(proxy.port, request("POST", "/orders/fresh/../victim/pay", fence(None, 3)))
+    assert (stale.status, stale.slug) == (409, "stale-generation")
