@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest chaos audit clean
+.PHONY: demo test servers lint typecheck pytest chaos audit clean
 
 # The long fault-injection run: make chaos DURATION=600 WORKERS=8 JOBS=3 SEED=1
 DURATION ?= 300
@@ -32,8 +32,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) servers
 	$(BIN)/pytest
+
+## Servers the tests drive for real, from Debian's packages when missing (as root):
+## nginx, the reference for how an upstream resolves a request path.
+servers:
+	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nginx from Debian's packages"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends nginx >/dev/null; \
+	  else \
+	    echo "nginx is not installed: the tests held against it are skipped"; \
+	  fi; \
+	fi
 
 ## Every fault on, for DURATION seconds, then the same run against a broken build.
 chaos: $(STAMP)
