@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from .config import Config, parse_store_url
-from .leases.service import LeaseService
+from .lease_api import LeaseService
 from .proxy import Proxy, problem_middleware
 from .routes import Router
 from .store import Store, open_store

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.client import LeaseClient, LeaseLost, LeaseRefused, LeaseServiceError
-from fenceproxy.leases.service import LeaseService
+from fenceproxy.lease_api import LeaseService
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .conftest import ProxyFactory

@@ -3,7 +3,7 @@ store's clock moved by hand: one winner among concurrent claimers, generations t
 only go up (across expiries, releases, restarts and a clock moved backwards), a
 distinct refusal for each way a holder can be wrong, retried completions, the fence
 a claim raises in the proxy, request validation and the ``leases:`` config. Then the
-pure decisions of :mod:`fenceproxy.leases.model` on their own."""
+pure decisions of :mod:`fenceproxy.leasing` on their own."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 from yarl import URL
 
+from fenceproxy import leasing
 from fenceproxy.errors import (
     ConfigError,
     JobCompleted,
@@ -28,8 +29,7 @@ from fenceproxy.errors import (
     Refusal,
 )
 from fenceproxy.fencing import GENERATION_MAX
-from fenceproxy.leases import model
-from fenceproxy.leases.model import Lease, LeaseState
+from fenceproxy.leasing import Lease, LeaseState
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .conftest import ProxyFactory, fenced, store_of
@@ -741,7 +741,7 @@ def lease(
 
 
 def test_model_claim_of_a_new_job_is_generation_one() -> None:
-    assert model.claim(None, None, "j", "a", 5.0, NOW) == Lease(
+    assert leasing.claim(None, None, "j", "a", 5.0, NOW) == Lease(
         "j", "a", 1, NOW + 5, 5.0, LeaseState.HELD
     )
 
@@ -762,7 +762,7 @@ def test_model_claim_of_a_new_job_is_generation_one() -> None:
 def test_model_claim_generation_is_above_lease_and_fence(
     current: Lease | None, fence: int | None, expected: int
 ) -> None:
-    new = model.claim(current, fence, "j", "b", 5.0, NOW)
+    new = leasing.claim(current, fence, "j", "b", 5.0, NOW)
     assert isinstance(new, Lease)
     assert (new.owner, new.generation, new.token, new.state) == (
         "b",
@@ -773,20 +773,20 @@ def test_model_claim_generation_is_above_lease_and_fence(
 
 
 def test_model_forged_high_fence_cannot_make_the_new_token_stale() -> None:
-    new = model.claim(lease(3, until=NOW - 1), GENERATION_MAX - 1, "j", "b", 5.0, NOW)
+    new = leasing.claim(lease(3, until=NOW - 1), GENERATION_MAX - 1, "j", "b", 5.0, NOW)
     assert isinstance(new, Lease)
     assert new.generation == GENERATION_MAX
 
 
 def test_model_claim_with_no_generation_left_is_refused() -> None:
-    refused = model.claim(None, GENERATION_MAX, "j", "b", 5.0, NOW)
+    refused = leasing.claim(None, GENERATION_MAX, "j", "b", 5.0, NOW)
     assert isinstance(refused, Refusal)
     assert refused.status == 409
 
 
 def test_model_claim_of_a_live_lease_is_held() -> None:
     for owner in ["a", "b"]:
-        refused = model.claim(lease(3, until=NOW + 2.5), 3, "j", owner, 5.0, NOW)
+        refused = leasing.claim(lease(3, until=NOW + 2.5), 3, "j", owner, 5.0, NOW)
         assert isinstance(refused, LeaseHeld)
         assert refused.retry_after == 2.5
         assert refused.extensions["owner"] == "a"
@@ -795,7 +795,7 @@ def test_model_claim_of_a_live_lease_is_held() -> None:
 
 def test_model_claim_of_a_completed_job_is_refused_even_after_expiry() -> None:
     done = lease(3, until=NOW - 100, state=LeaseState.COMPLETED)
-    assert isinstance(model.claim(done, 3, "j", "b", 5.0, NOW), JobCompleted)
+    assert isinstance(leasing.claim(done, 3, "j", "b", 5.0, NOW), JobCompleted)
 
 
 @pytest.mark.parametrize(
@@ -815,10 +815,10 @@ def test_model_claim_of_a_completed_job_is_refused_even_after_expiry() -> None:
 def test_model_renew_refusals(
     current: Lease | None, owner: str, generation: int, refusal: type[Refusal]
 ) -> None:
-    assert type(model.renew(current, "j", owner, generation, 5.0, NOW)) is refusal
+    assert type(leasing.renew(current, "j", owner, generation, 5.0, NOW)) is refusal
 
 
-@pytest.mark.parametrize("decide", [model.complete, model.release])
+@pytest.mark.parametrize("decide", [leasing.complete, leasing.release])
 @pytest.mark.parametrize(
     ("current", "owner", "generation", "refusal"),
     [
@@ -840,25 +840,25 @@ def test_model_end_refusals(
 
 def test_model_renew_extends_from_now() -> None:
     held = lease(3, until=NOW + 1, ttl=10.0)
-    assert model.renew(held, "j", "a", 3, None, NOW) == lease(3, until=NOW + 10, ttl=10.0)
-    assert model.renew(held, "j", "a", 3, 30.0, NOW) == lease(3, until=NOW + 30, ttl=30.0)
+    assert leasing.renew(held, "j", "a", 3, None, NOW) == lease(3, until=NOW + 10, ttl=10.0)
+    assert leasing.renew(held, "j", "a", 3, 30.0, NOW) == lease(3, until=NOW + 30, ttl=30.0)
 
 
 def test_model_complete_and_release_end_the_lease_now_and_are_idempotent() -> None:
     held = lease(3, until=NOW + 5)
-    done = model.complete(held, "j", "a", 3, NOW)
+    done = leasing.complete(held, "j", "a", 3, NOW)
     assert done == lease(3, until=NOW, state=LeaseState.COMPLETED)
     assert isinstance(done, Lease)
-    assert model.complete(done, "j", "a", 3, NOW + 100) == done
-    assert isinstance(model.release(done, "j", "a", 3, NOW), JobCompleted)
-    gone = model.release(held, "j", "a", 3, NOW)
+    assert leasing.complete(done, "j", "a", 3, NOW + 100) == done
+    assert isinstance(leasing.release(done, "j", "a", 3, NOW), JobCompleted)
+    gone = leasing.release(held, "j", "a", 3, NOW)
     assert gone == lease(3, until=NOW, state=LeaseState.RELEASED)
     assert isinstance(gone, Lease)
-    assert model.release(gone, "j", "a", 3, NOW + 100) == gone
-    assert isinstance(model.complete(gone, "j", "a", 3, NOW), LeaseReleased)
+    assert leasing.release(gone, "j", "a", 3, NOW + 100) == gone
+    assert isinstance(leasing.complete(gone, "j", "a", 3, NOW), LeaseReleased)
     # A retry by someone else, or by an older generation, is still refused.
-    assert isinstance(model.complete(done, "j", "b", 3, NOW), LeaseMismatch)
-    assert isinstance(model.release(gone, "j", "a", 2, NOW), LeaseSuperseded)
+    assert isinstance(leasing.complete(done, "j", "b", 3, NOW), LeaseMismatch)
+    assert isinstance(leasing.release(gone, "j", "a", 2, NOW), LeaseSuperseded)
 
 
 def test_model_lease_is_live_until_lease_until() -> None:

@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager
 
 from ..errors import Refusal
 from ..fencing import Admit, FencedWrite, Replay, StoredResponse
-from ..leases.model import Lease
+from ..leasing import Lease
 
 __all__ = ["JobLocks", "LeaseChange", "Store"]
 

@@ -33,7 +33,7 @@ import aiosqlite
 
 from ..errors import Refusal, StoreError, StoreLocked
 from ..fencing import Admit, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse, decide
-from ..leases.model import Lease, LeaseState
+from ..leasing import Lease, LeaseState
 from ..log import store_log
 from .base import JobLocks, LeaseChange, Store
 

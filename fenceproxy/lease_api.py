@@ -22,19 +22,19 @@ from urllib.parse import unquote
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from ..config import LeasesSpec
-from ..errors import (
+from . import leasing
+from .config import LeasesSpec
+from .errors import (
     LeaseNotFound,
     LeaseRequestInvalid,
     LeaseRequestMalformed,
     NoRoute,
     Refusal,
 )
-from ..fencing import GENERATION_MAX, parse_job
-from ..log import lease_log
-from ..store import Store
-from . import model
-from .model import Lease, LeaseState
+from .fencing import GENERATION_MAX, parse_job
+from .leasing import Lease, LeaseState
+from .log import lease_log
+from .store import Store
 
 __all__ = ["LeaseService"]
 
@@ -111,7 +111,7 @@ class LeaseService:
         body = await _parse(request, _Claim)
         ttl = self._ttl(body.ttl)
         result = await self._change(
-            job, lambda cur, fence, now: model.claim(cur, fence, job, body.owner, ttl, now)
+            job, lambda cur, fence, now: leasing.claim(cur, fence, job, body.owner, ttl, now)
         )
         lease_log.info("claim %r by %r: generation %d", job, body.owner, result.generation)
         return self._answer(result)
@@ -123,17 +123,17 @@ class LeaseService:
         return self._answer(
             await self._change(
                 job,
-                lambda cur, fence, now: model.renew(
+                lambda cur, fence, now: leasing.renew(
                     cur, job, body.owner, body.generation, ttl, now
                 ),
             )
         )
 
     async def complete(self, request: web.Request) -> web.Response:
-        return await self._end(request, model.complete)
+        return await self._end(request, leasing.complete)
 
     async def release(self, request: web.Request) -> web.Response:
-        return await self._end(request, model.release)
+        return await self._end(request, leasing.release)
 
     async def show(self, request: web.Request) -> web.Response:
         job = self._job(request)

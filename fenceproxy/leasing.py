@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from ..errors import (
+from .errors import (
     JobCompleted,
     LeaseExpired,
     LeaseHeld,
@@ -20,7 +20,7 @@ from ..errors import (
     LeaseSuperseded,
     Refusal,
 )
-from ..fencing import GENERATION_MAX
+from .fencing import GENERATION_MAX
 
 __all__ = ["Lease", "LeaseState", "claim", "complete", "release", "renew"]
 
