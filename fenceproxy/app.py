@@ -35,7 +35,12 @@ def make_app(
     wall clock (key expiry), ``monotonic`` the proxy's (quarantines). Start-up fails
     with StoreError when the store cannot be opened.
     """
-    app = web.Application(middlewares=[problem_middleware], handler_args={"max_headers": 100})
+    # auto_decompress off: a compressed request body is forwarded as it came, with
+    # its Content-Encoding, never decoded on the way.
+    app = web.Application(
+        middlewares=[problem_middleware],
+        handler_args={"max_headers": 100, "auto_decompress": False},
+    )
     app[CONFIG_KEY] = config
     router = Router(config.routes)
     leases = LeaseService(config.leases) if config.leases is not None else None

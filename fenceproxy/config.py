@@ -190,6 +190,8 @@ class RouteSpec(_Model):
     quarantine: OptionalDuration = 60.0
     """After a write whose outcome is unknown, refuse the job's writes this long."""
     max_body: Size = 10 * 1024 * 1024
+    match_case: bool = True
+    """False for an upstream that routes paths case-insensitively (Express, ASP.NET, IIS)."""
 
     @field_validator("fence", mode="before")
     @classmethod

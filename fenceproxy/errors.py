@@ -11,6 +11,7 @@
     └── Refusal                      answered to the client as RFC 9457 problem+json
         ├── RequestTargetMalformed   400  a path the proxy and an upstream could read differently
         ├── MethodOverrideMalformed  400  a method-override header that is repeated or not a method
+        ├── RequestHeaderMalformed   400  a header value that cannot be forwarded as it came
         ├── NoRoute                  404  no route matches the path
         ├── BodyTooLarge             413  body above the route's limit
         ├── UnsupportedFraming       501  a transfer coding other than chunked
@@ -79,6 +80,7 @@ __all__ = [
     "MethodOverrideMalformed",
     "NoRoute",
     "Refusal",
+    "RequestHeaderMalformed",
     "RequestTargetMalformed",
     "StaleGeneration",
     "StoreError",
@@ -182,6 +184,10 @@ class RequestTargetMalformed(Refusal):
 
 class MethodOverrideMalformed(Refusal):
     slug, status, title = "method-override-malformed", 400, "Method override malformed"
+
+
+class RequestHeaderMalformed(Refusal):
+    slug, status, title = "request-header-malformed", 400, "Request header cannot be forwarded"
 
 
 class NoRoute(Refusal):

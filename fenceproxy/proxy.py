@@ -35,7 +35,7 @@ from typing import Literal, TypeVar
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from . import hdrs
 from .errors import (
@@ -171,11 +171,16 @@ class Proxy:
         if fence is None:
             return await self._pass_through(request, route, target)
         h = request.headers
+        aliases = _underscored(h)
         override = parse_method_override(
-            [(name, value) for name in hdrs.METHOD_OVERRIDES for value in h.getall(name, ())]
+            [
+                (str(name), value)
+                for name in hdrs.METHOD_OVERRIDES
+                for value in _values(h, name, aliases)
+            ]
         )
         if fence.fences(request.method) or (override is not None and fence.fences(override)):
-            return await self._fenced(request, route, target, path_job, override)
+            return await self._fenced(request, route, target, path_job, override, aliases)
         return await self._pass_through(request, route, target)
 
     async def close(self) -> None:
@@ -224,13 +229,15 @@ class Proxy:
         target: str,
         path_job: str | None,
         override: str | None,
+        aliases: list[tuple[str, str]],
     ) -> web.StreamResponse:
         fence = route.fence
         assert fence is not None
         h = request.headers
-        header_job = single_field(h.getall(fence.job_header, ()), str(fence.job_header))
-        raw_token = single_field(h.getall(fence.token_header, ()), str(fence.token_header))
-        raw_key = single_field(h.getall(fence.key_header, ()), str(fence.key_header))
+        header_job, raw_token, raw_key = (
+            single_field(_values(h, name, aliases), str(name))
+            for name in (fence.job_header, fence.token_header, fence.key_header)
+        )
         if fence.job_in_path:
             raw_job, job_source = path_job, "path"
         else:
@@ -422,6 +429,24 @@ class Proxy:
         if outcome == "unknown":
             return self._store.mark_unknown(write)
         return self._store.forget_key(write)
+
+
+def _underscored(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
+    """The fields whose names hold ``_``, named with ``-`` instead, lower-case. CGI and
+    WSGI servers read ``Fencing_Token`` and ``Fencing-Token`` as one variable, so for
+    the fencing and method-override fields they count as the field they spell."""
+    return [(n.replace("_", "-").lower(), v) for n, v in headers.items() if "_" in n]
+
+
+def _values(
+    headers: CIMultiDictProxy[str], name: istr, aliases: list[tuple[str, str]]
+) -> list[str]:
+    """Every value of the field ``name``, in whichever spelling it came."""
+    values = headers.getall(name, [])
+    if aliases:
+        lower = name.lower()
+        values = [*values, *(v for n, v in aliases if n == lower)]
+    return values
 
 
 def _record(fp: bytes, outcome: _Outcome) -> KeyRecord:

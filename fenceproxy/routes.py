@@ -1,9 +1,12 @@
 """Validated route specs compiled once into what a request needs: the longest
 matching path, the job id from the path, the fencing headers as ``istr``.
 
-Routes are matched against the canonical path (:mod:`fenceproxy.target`) at segment
-boundaries: ``/billing`` matches ``/billing`` and ``/billing/...``, never
-``/billingXYZ``; ``/billing/`` matches ``/billing/...`` only."""
+Routes are matched against the canonical path (:mod:`fenceproxy.target`), decoded,
+at segment boundaries: ``/billing`` matches ``/billing`` and ``/billing/...``, never
+``/billingXYZ``; ``/billing/`` matches ``/billing/...`` only. Decoded, because an
+upstream reads ``/a%3Ab`` and ``/a:b`` alike; the canonical path holds no ``%2F``, so
+decoding cannot make a separator. Case-sensitively unless the route says otherwise
+(``match_case: false``, for upstreams that route case-insensitively)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from multidict import istr
 from yarl import URL
 
 from .config import RouteSpec
-from .target import decode_segment, encode_path
+from .target import decode_path
 
 __all__ = ["SAFE_METHODS", "Fence", "Route", "Router"]
 
@@ -56,7 +59,8 @@ class Route:
     connect_timeout: float
     quarantine: float
     max_body: int
-    _prefix: str
+    _prefix: str | None
+    """The decoded route path, when a plain case-sensitive prefix test will do."""
     _pattern: re.Pattern[str] | None
 
     @classmethod
@@ -83,13 +87,13 @@ class Route:
                 replay=spec.fence.on_duplicate == "replay",
             )
         pattern = None
-        if job_in_path:
+        if job_in_path or not spec.match_case:
             head, _, tail = spec.path.partition("{job}")
             pattern = re.compile(
-                re.escape(encode_path(head))
-                + "(?P<job>[^/]+)"
-                + re.escape(encode_path(tail))
-                + ("" if tail.endswith("/") else "(?=/|$)")
+                re.escape(head)
+                + ("(?P<job>[^/]+)" + re.escape(tail) if job_in_path else "")
+                + ("" if spec.path.endswith("/") else "(?=/|$)"),
+                0 if spec.match_case else re.IGNORECASE,
             )
         return cls(
             name=spec.name,
@@ -101,23 +105,24 @@ class Route:
             connect_timeout=spec.connect_timeout,
             quarantine=spec.quarantine,
             max_body=spec.max_body,
-            _prefix=encode_path(spec.path),
+            _prefix=None if pattern is not None else spec.path,
             _pattern=pattern,
         )
 
-    def match(self, path: str) -> tuple[bool, str | None]:
-        """Whether the canonical ``path`` is under this route, and the job id from
-        the path (decoded) when the route has ``{job}``."""
-        if self._pattern is None:
-            prefix = self._prefix
-            inside = path.startswith(prefix) and (
-                prefix.endswith("/") or len(path) == len(prefix) or path[len(prefix)] == "/"
+    def match(self, decoded: str) -> tuple[bool, str | None]:
+        """Whether the decoded canonical path is under this route, and the job id from
+        the path when the route has ``{job}``."""
+        prefix = self._prefix
+        if prefix is not None:
+            inside = decoded.startswith(prefix) and (
+                prefix.endswith("/") or len(decoded) == len(prefix) or decoded[len(prefix)] == "/"
             )
             return inside, None
-        m = self._pattern.match(path)
+        assert self._pattern is not None
+        m = self._pattern.match(decoded)
         if m is None:
             return False, None
-        return True, decode_segment(m.group("job"))
+        return True, m.groupdict().get("job")
 
 
 class Router:
@@ -135,8 +140,9 @@ class Router:
 
     def match(self, path: str) -> tuple[Route, str | None] | None:
         """The route for a canonical path, and its job id from the path if any."""
+        decoded = decode_path(path) if "%" in path else path
         for route in self._routes:
-            matched, job = route.match(path)
+            matched, job = route.match(decoded)
             if matched:
                 return route, job
         return None

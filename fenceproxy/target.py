@@ -38,7 +38,7 @@ from urllib.parse import unquote
 
 from .errors import RequestTargetMalformed
 
-__all__ = ["PATH_SAFE", "canonical_path", "decode_segment", "encode_path"]
+__all__ = ["PATH_SAFE", "canonical_path", "decode_path"]
 
 PATH_SAFE = frozenset(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,=:@/"
@@ -104,7 +104,7 @@ def _normalise_escapes(raw: str) -> str:
         if c in PATH_SAFE:
             out.append(c)
         else:
-            out.append(encode_path(c))
+            out.append(_encode(c))
         i += 1
     return "".join(out)
 
@@ -128,7 +128,7 @@ def _resolve(path: str) -> str:
     return "/" + "/".join(out)
 
 
-def encode_path(text: str) -> str:
+def _encode(text: str) -> str:
     """Percent-encode every character of ``text`` outside :data:`PATH_SAFE`, as
     UTF-8 (surrogate-escaped bytes as themselves), with upper-case hex."""
     if all(c in PATH_SAFE for c in text):
@@ -139,7 +139,7 @@ def encode_path(text: str) -> str:
     )
 
 
-def decode_segment(segment: str) -> str:
-    """One segment of a canonical path, decoded (surrogate-escaped where the bytes
-    are not UTF-8)."""
-    return unquote(segment, errors="surrogateescape")
+def decode_path(path: str) -> str:
+    """A canonical path, decoded (surrogate-escaped where the bytes are not UTF-8).
+    It has as many segments as the encoded form: a canonical path holds no ``%2F``."""
+    return unquote(path, errors="surrogateescape")

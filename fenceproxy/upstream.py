@@ -18,7 +18,13 @@ from multidict import CIMultiDict, CIMultiDictProxy, istr
 from yarl import URL
 
 from . import hdrs
-from .errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
+from .errors import (
+    RequestHeaderMalformed,
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from .routes import Route
 
 __all__ = [
@@ -100,7 +106,15 @@ def forwarded_headers(
     ``keep`` names (lower-case) headers forwarded even when ``Connection`` lists
     them (the fencing fields, which the proxy read as the write's own)."""
     incoming = request.headers
-    out: CIMultiDict[str] = CIMultiDict(_copy_without(incoming, _NOT_FORWARDED, keep))
+    copied = _copy_without(incoming, _NOT_FORWARDED, keep)
+    for name, value in copied:
+        if not value.isascii() and not _is_utf8(value):
+            # aiohttp would send it less the bytes that are not UTF-8.
+            raise RequestHeaderMalformed(
+                f"the value of {name} is not UTF-8 and cannot be forwarded unchanged",
+                header=name,
+            )
+    out: CIMultiDict[str] = CIMultiDict(copied)
     peer = request.remote
     believe = peer in trusted
     if not believe:
@@ -118,6 +132,15 @@ def forwarded_headers(
     if body_length is not None:
         out[istr("Content-Length")] = str(body_length)
     return out
+
+
+def _is_utf8(value: str) -> bool:
+    """Whether a header value arrived as UTF-8 (aiohttp surrogate-escapes other bytes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:

@@ -4,6 +4,7 @@ added or dropped. Raw bytes in over a socket, raw bytes recorded at the upstream
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import AsyncIterator
 from urllib.parse import unquote_to_bytes
@@ -461,3 +462,125 @@ async def test_nginx_fenced_job_from_a_dotted_path_is_the_job_nginx_applies(
     ).status == 200
     stale = await send(proxy.port, request("POST", "/orders/fresh/../victim/pay", fence(None, 3)))
     assert (stale.status, stale.slug) == (409, "stale-generation")
+
+
+# -- what the attacker's review found ----------------------------------------------------
+
+
+async def test_an_escaped_sub_delimiter_is_the_same_path_as_the_character(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """nginx reads /charges%3Arefund as /charges:refund: so must the routes and jobs."""
+    proxy = await start_proxy(
+        [
+            {"name": "refund", "path": "/billing/charges:refund", "upstream": raw_upstream.url},
+            {"name": "orders", "path": "/orders/{job}", "upstream": raw_upstream.url},
+            {"name": "rest", "path": "/", "upstream": raw_upstream.url, "fence": False},
+        ]
+    )
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("POST", "/billing/charges%3Arefund"))
+    assert (answer.status, answer.slug) == (428, "fencing-header-missing")
+    assert (
+        await send(proxy.port, request("POST", "/orders/a:b/pay", fence(None, 10)))
+    ).status == 200
+    stale = await send(proxy.port, request("POST", "/orders/a%3Ab/pay", fence(None, 3)))
+    assert (stale.status, stale.slug) == (409, "stale-generation")
+    assert [r.target for r in raw_upstream.received] == ["/orders/a:b/pay"]
+
+
+async def test_a_route_for_a_case_insensitive_upstream_matches_any_case(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    proxy = await start_proxy(
+        [
+            {"name": "b", "path": "/Billing", "upstream": raw_upstream.url, "match_case": False},
+            {
+                "name": "o",
+                "path": "/orders/{job}",
+                "upstream": raw_upstream.url,
+                "match_case": False,
+            },
+            {"name": "strict", "path": "/strict", "upstream": raw_upstream.url},
+        ]
+    )
+    assert proxy.port is not None
+    for target in ("/BILLING/x", "/billing", "/bIlLiNg/y"):
+        answer = await send(proxy.port, request("POST", target))
+        assert (answer.status, answer.slug) == (428, "fencing-header-missing"), target
+    assert (
+        await send(proxy.port, request("POST", "/ORDERS/Victim", fence(None, 10)))
+    ).status == 200
+    stale = await send(proxy.port, request("POST", "/orders/Victim/x", fence(None, 3)))
+    assert (stale.status, stale.slug) == (409, "stale-generation")  # the job keeps its case
+    assert (await send(proxy.port, request("POST", "/STRICT/x"))).slug == "no-route"
+    assert len(raw_upstream.received) == 1
+
+
+@pytest.mark.parametrize(
+    ("target", "fields"),
+    [("/billing/x", fence("j", 1)), ("/health/x", [])],
+    ids=["fenced", "pass-through"],
+)
+async def test_a_compressed_body_reaches_the_upstream_as_it_came(
+    port: int, raw_upstream: RawUpstream, target: str, fields: list[tuple[str, str]]
+) -> None:
+    body = gzip.compress(b'{"note": "' + b"A" * 300 + b'"}')
+    sent = [*fields, ("Content-Encoding", "gzip")]
+    assert (await send(port, request("POST", target, sent, body=body))).status == 200
+    not_gzip = await send(port, request("POST", target, sent, body=b"abc"))
+    assert not_gzip.status == 200  # the upstream's to judge, never a 500 here
+    assert [(r.body, r.values("Content-Encoding")) for r in raw_upstream.received] == [
+        (body, ["gzip"]),
+        (b"abc", ["gzip"]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "slug"),
+    [
+        (
+            [("Fencing-Job", "j"), ("Fencing-Token", "30"), ("Fencing_Token", "3")],
+            "fencing-header-malformed",
+        ),
+        (
+            [("Fencing-Job", "j"), ("fencing_job", "k"), ("Fencing-Token", "3")],
+            "fencing-header-malformed",
+        ),
+        (
+            [("X-HTTP-Method-Override", "PUT"), ("X_HTTP_METHOD_OVERRIDE", "DELETE")],
+            "method-override-malformed",
+        ),
+    ],
+    ids=["token", "job", "override"],
+)
+async def test_an_underscore_spelling_counts_as_the_field_it_spells(
+    port: int, raw_upstream: RawUpstream, fields: list[tuple[str, str]], slug: str
+) -> None:
+    """CGI and WSGI servers read Fencing_Token as Fencing-Token."""
+    answer = await send(port, request("POST", "/billing/x", fields))
+    assert (answer.status, answer.slug) == (400, slug)
+    assert raw_upstream.received == []
+
+
+async def test_an_underscore_method_override_is_fenced(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    answer = await send(port, request("GET", "/billing/x", [("X_HTTP_METHOD_OVERRIDE", "DELETE")]))
+    assert (answer.status, answer.slug) == (428, "fencing-header-missing")
+    assert raw_upstream.received == []
+
+
+async def test_a_header_value_that_is_not_utf8_is_refused_not_altered(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    raw = request("POST", "/billing/x", [*fence("j", 1), ("X-Name", "caf\xe9")])
+    answer = await send(port, raw)
+    assert (answer.status, answer.slug) == (400, "request-header-malformed")
+    assert b"caf" not in answer.body  # the value is never echoed
+    assert raw_upstream.received == []
+    utf8 = request("POST", "/billing/x", fence("j", 1)).replace(
+        b"Host: proxy.test", "Host: proxy.test\r\nX-Name: café".encode()
+    )
+    assert (await send(port, utf8)).status == 200
+    assert raw_upstream.received[0].values("X-Name") == ["cafÃ©"]  # the same bytes, read as latin-1
