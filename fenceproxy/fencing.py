@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
+import os
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import (
     DuplicateInFlight,
@@ -33,6 +35,7 @@ __all__ = [
     "JOB_MAX_BYTES",
     "KEY_MAX_CHARS",
     "Admit",
+    "Busy",
     "FencedWrite",
     "KeyRecord",
     "KeyState",
@@ -167,9 +170,24 @@ class KeyRecord:
     response: StoredResponse | None = None
 
 
+# Turns are named by a random process prefix and a counter: unique across the proxies
+# sharing a store, and cheap.
+_PROCESS = os.urandom(6).hex()
+_TURNS = itertools.count(1)
+
+
+def _new_turn() -> str:
+    return f"{_PROCESS}.{next(_TURNS)}"
+
+
 @dataclass(frozen=True, slots=True)
 class FencedWrite:
-    """A fenced write as the decision sees it. ``key`` and ``fingerprint`` go together."""
+    """A fenced write as the decision sees it. ``key`` and ``fingerprint`` go together.
+
+    ``turn`` names this attempt, unique across processes; once admitted, it holds the
+    job's in-flight record for ``hold`` seconds on the store's clock, or until the
+    upstream has answered.
+    """
 
     route: str
     job: str
@@ -177,6 +195,8 @@ class FencedWrite:
     key: str | None = None
     fingerprint: bytes | None = None
     replay: bool = True
+    turn: str = field(default_factory=_new_turn)
+    hold: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +204,16 @@ class Admit:
     """Forward the write. ``raise_to`` is the new highest generation, if it rose."""
 
     raise_to: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """Another write of the job holds its in-flight record: this one may not go yet.
+    ``unknown``: that write's outcome is unknown, so waiting is in vain before the
+    record expires, ``retry_after`` seconds from now."""
+
+    retry_after: float
+    unknown: bool
 
 
 @dataclass(frozen=True, slots=True)

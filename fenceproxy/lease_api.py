@@ -110,18 +110,18 @@ class LeaseService:
         job = self._job(request)
         body = await _parse(request, _Claim)
         ttl = self._ttl(body.ttl)
-        result = await self._change(
+        result, now = await self._change(
             job, lambda cur, fence, now: leasing.claim(cur, fence, job, body.owner, ttl, now)
         )
         lease_log.info("claim %r by %r: generation %d", job, body.owner, result.generation)
-        return self._answer(result)
+        return self._answer(result, now)
 
     async def renew(self, request: web.Request) -> web.Response:
         job = self._job(request)
         body = await _parse(request, _Renew)
         ttl = None if body.ttl is None else self._ttl(body.ttl)
         return self._answer(
-            await self._change(
+            *await self._change(
                 job,
                 lambda cur, fence, now: leasing.renew(
                     cur, job, body.owner, body.generation, ttl, now
@@ -137,10 +137,10 @@ class LeaseService:
 
     async def show(self, request: web.Request) -> web.Response:
         job = self._job(request)
-        lease = await self._store().lease(job)
+        lease, now = await self._store().lease(job)
         if lease is None:
             raise LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
-        return self._answer(lease)
+        return self._answer(lease, now)
 
     async def unknown(self, request: web.Request) -> web.Response:
         raise NoRoute(
@@ -151,19 +151,20 @@ class LeaseService:
     async def _end(self, request: web.Request, decide: Any) -> web.Response:
         job = self._job(request)
         body = await _parse(request, _Holder)
-        result = await self._change(
+        result, now = await self._change(
             job, lambda cur, fence, now: decide(cur, job, body.owner, body.generation, now)
         )
         lease_log.info(
             "%s %r by %r at generation %d", result.state, job, body.owner, body.generation
         )
-        return self._answer(result)
+        return self._answer(result, now)
 
-    async def _change(self, job: str, change: Any) -> Lease:
-        result = await self._store().change_lease(job, change)
+    async def _change(self, job: str, change: Any) -> tuple[Lease, float]:
+        """The changed lease and the store's clock when it changed; refusals raised."""
+        result, now = await self._store().change_lease(job, change)
         if isinstance(result, Refusal):
             raise result
-        return result
+        return result, now
 
     def _ttl(self, ttl: float | None) -> float:
         if ttl is None:
@@ -178,8 +179,8 @@ class LeaseService:
         assert self.store is not None, "the lease service runs only inside a started app"
         return self.store
 
-    def _answer(self, lease: Lease) -> web.Response:
-        now = self._store().now()
+    def _answer(self, lease: Lease, now: float) -> web.Response:
+        """``now`` is the store's clock, read in the same transaction."""
         return web.json_response(
             {
                 "job_id": lease.job_id,

@@ -10,16 +10,23 @@ A fenced write goes through these steps:
 1. its fencing headers are parsed (each must be sent once) and its body is read in
    full (up to the route's ``max_body``), so nothing the client does later can hold
    up the job;
-2. it waits for its job's turn (writes of one job go one at a time, first come
+2. it waits for its turn among this process's writes of the job (first come,
    first served);
-3. the store decides and commits the new fence and the key's *in flight* mark;
-4. it is forwarded; the job's next write may go once the upstream has answered;
+3. the store decides, and commits the new fence, the key's *in flight* mark and
+   the job's *in-flight record*, which says that this write may be at the upstream
+   until the route's ``timeout`` plus its ``quarantine`` have passed on the store's
+   clock; while another write (of any proxy) holds that record, this one polls for
+   up to the route's ``timeout``, then gets 503 ``job-quarantined``;
+4. it is forwarded; once the upstream has answered, the record is cleared and the
+   job's next write may go;
 5. for a keyed write, the answer is committed under the key *before* it is sent
    back, so an answer the client got can always be replayed.
 
 When the upstream may still be applying a write whose outcome is unknown (it timed
-out, or the connection broke after sending), the job is quarantined for the
-route's ``quarantine`` time, so no newer write can overtake it there.
+out, or the connection broke after sending), the record stays, marked unknown, for
+the route's ``quarantine``, so no newer write can overtake it there. A proxy that
+dies with writes in flight leaves their records behind: only those jobs wait, on
+every proxy sharing the store, until the records expire.
 
 Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
 :func:`problem_middleware`.
@@ -52,6 +59,7 @@ from .errors import (
 )
 from .fencing import (
     Admit,
+    Busy,
     FencedWrite,
     KeyRecord,
     KeyState,
@@ -86,6 +94,11 @@ _Outcome = StoredResponse | Literal["unknown", "not-sent"]
 PROBLEM_JSON = "application/problem+json"
 _CHUNK = 64 * 1024
 _SETTLE_RETRY = 1.0
+# An admitted write is sent only this soon after its admission was asked for: its
+# in-flight record lasts the route's timeout plus quarantine plus this.
+_TURN_SLACK = 1.0
+_BUSY_POLL_FIRST = 0.002
+_BUSY_POLL_MAX = 0.05
 _Slot = tuple[str, str, str]
 
 
@@ -139,20 +152,9 @@ class Proxy:
         # Keyed writes of this process from arrival until the store has their final
         # state: a duplicate is answered at once rather than queued behind the
         # original, and a state the store could not take yet is still honoured.
+        # Only ever makes a refusal: the store holds the truth for every proxy.
         self._keys: dict[_Slot, KeyRecord] = {}
-        self._quarantine: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
-        # The previous process may have left writes in flight at the upstream: after
-        # a crash every job is quarantined for its route's time from now; after a
-        # clean stop, until the quarantines it left behind end.
-        now = monotonic()
-        self._started = now
-        self._crashed = store.crashed
-        self._quiet_until = now + max(0.0, store.quiet_until - store.now())
-        if self._crashed:
-            proxy_log.warning(
-                "recovering from an unclean stop: fenced writes wait out each route's quarantine"
-            )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         coding = request.headers.get(hdrs.TRANSFER_ENCODING)
@@ -184,22 +186,12 @@ class Proxy:
         return await self._pass_through(request, route, target)
 
     async def close(self) -> None:
-        """Stop retrying key settlements (a restart reads them as unknown) and record
-        a clean stop, with the quarantines still running, for the next process."""
+        """Stop retrying key settlements: a key in flight whose in-flight record is
+        gone reads as unknown to every proxy. Records of writes cut off at shutdown
+        stay in the store until they expire."""
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        now = self._monotonic()
-        last = max([*self._quarantine.values(), self._recovery_end(), now])
-        with contextlib.suppress(StoreError):
-            await self._store.stop_cleanly(self._store.now() + (last - now))
-
-    def _recovery_end(self, route: Route | None = None) -> float:
-        """When writes left in flight by the previous process stop mattering."""
-        if not self._crashed:
-            return self._quiet_until
-        longest = route.quarantine if route is not None else self._router.longest_quarantine
-        return max(self._quiet_until, self._started + longest)
 
     # -- unfenced ---------------------------------------------------------------
 
@@ -261,12 +253,13 @@ class Proxy:
         generation = parse_generation(raw_token, str(fence.token_header))
         key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
+        headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
         body = await _read_limited(request, route)
 
+        hold = route.timeout + route.quarantine + _TURN_SLACK
         if key is None:
-            return await self._forward_fenced(
-                request, route, target, FencedWrite(route.name, job, generation), body
-            )
+            write = FencedWrite(route.name, job, generation, hold=hold)
+            return await self._forward_fenced(request, route, target, write, headers, body)
 
         write = FencedWrite(
             route.name,
@@ -275,6 +268,7 @@ class Proxy:
             key=key,
             fingerprint=fingerprint(request.method, target, body, override),
             replay=fence.replay,
+            hold=hold,
         )
         slot = (route.name, job, key)
         if (record := self._keys.get(slot)) is not None:
@@ -286,44 +280,59 @@ class Proxy:
         assert write.fingerprint is not None
         self._keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint)
         try:
-            return await self._forward_fenced(request, route, target, write, body)
+            return await self._forward_fenced(request, route, target, write, headers, body)
         finally:
             record = self._keys.get(slot)
             if record is not None and record.state is KeyState.IN_FLIGHT:
                 del self._keys[slot]  # settled in the store, or never reserved there
 
     async def _forward_fenced(
-        self, request: web.Request, route: Route, target: str, write: FencedWrite, body: bytes
+        self,
+        request: web.Request,
+        route: Route,
+        target: str,
+        write: FencedWrite,
+        headers: CIMultiDict[str],
+        body: bytes,
     ) -> web.StreamResponse:
-        """Forward an admitted write in its job's turn; settle its key exactly once."""
+        """Forward an admitted write in its job's turn; give the turn back and settle
+        its key exactly once."""
         keyed = write.key is not None
         # What the key becomes if this ends early; None while the store holds no key.
         outcome: _Outcome | None = None
         try:
             async with self._store.job_lock(write.job):
-                decision = await self._admit(write)
+                decision, asked_at = await self._admit(write, route)
                 if isinstance(decision, Replay):
                     return _replay(decision.response)
                 outcome = "not-sent"
-                self._check_quarantine(write.job, route)
-                outcome = "unknown"  # from here on the write may reach the upstream
-                assert route.fence is not None
-                headers = forwarded_headers(request, self._trusted, None, keep=route.fence.fields)
+                in_doubt = False  # whether the write may be at the upstream, unanswered
                 try:
-                    upstream = await self._upstreams.send(
-                        route, request.method, target, headers, body
-                    )
-                except UpstreamError as exc:
-                    if exc.sent:
-                        self._quarantine_job(write.job, route)
-                    else:
-                        outcome = "not-sent"
-                    raise
-                except asyncio.CancelledError:
-                    # Cut off mid-send (a shutdown past its drain time): it may land.
-                    self._quarantine_job(write.job, route)
-                    raise
-            # The upstream has answered: the job's next write may go now.
+                    if self._monotonic() - asked_at > _TURN_SLACK:
+                        # Stalled since the record was taken: sent now, the write could
+                        # still be at the upstream after the record expires.
+                        raise JobQuarantined(
+                            "the proxy stalled after recording this write, which was not "
+                            "sent; retry it",
+                            retry_after=1.0,
+                            job=write.job,
+                        )
+                    outcome = "unknown"  # from here on the write may reach the upstream
+                    in_doubt = True
+                    try:
+                        upstream = await self._upstreams.send(
+                            route, request.method, target, headers, body
+                        )
+                    except UpstreamError as exc:
+                        if not exc.sent:
+                            outcome = "not-sent"
+                            in_doubt = False
+                        raise
+                    in_doubt = False  # answered
+                finally:
+                    # The upstream has answered, or the write never left, or its outcome
+                    # is unknown (a cancellation mid-send included: it may land).
+                    await self._end_turn(write, route, unknown=in_doubt)
             try:
                 if not keyed:
                     return await _relay(request, upstream)
@@ -345,45 +354,49 @@ class Proxy:
             if keyed and outcome is not None:
                 await self._settle(write, outcome)
 
-    def _check_quarantine(self, job: str, route: Route) -> None:
-        now = self._monotonic()
-        until = self._quarantine.get(job)
-        if until is not None and until <= now:
-            del self._quarantine[job]
-            until = None
-        if until is not None:
-            raise JobQuarantined(
-                "an earlier write of this job got no answer and may still be applied by the "
-                "upstream; its later writes are refused until then so none can overtake it",
-                retry_after=until - now,
-                job=job,
-            )
-        recovery = self._recovery_end(route)
-        if recovery > now:
-            raise JobQuarantined(
-                "the proxy restarted, and writes its previous process had in flight may "
-                "still be applied by the upstream; fenced writes wait until then",
-                retry_after=recovery - now,
-                job=job,
-            )
+    async def _admit(self, write: FencedWrite, route: Route) -> tuple[Admit | Replay, float]:
+        """The store's decision, committed, and the monotonic time just before it was
+        asked for. While another write holds the job's in-flight record, ask again for
+        up to the route's ``timeout``; then, or at once when that write's outcome is
+        unknown, refuse with JobQuarantined."""
+        deadline = self._monotonic() + route.timeout
+        delay = _BUSY_POLL_FIRST
+        while True:
+            asked_at = self._monotonic()
+            decision = await self._store_admit(write, route)
+            if not isinstance(decision, Busy):
+                return decision, asked_at
+            if decision.unknown:
+                raise JobQuarantined(
+                    "an earlier write of this job got no answer and may still be applied by "
+                    "the upstream; its later writes are refused until then so none can "
+                    "overtake it",
+                    retry_after=decision.retry_after,
+                    job=write.job,
+                )
+            if self._monotonic() + delay > deadline:
+                raise JobQuarantined(
+                    "another write of this job is in flight at the upstream (sent by this or "
+                    "another proxy, or by one that stopped); its later writes wait for it, "
+                    "and this one waited as long as the route's timeout",
+                    retry_after=decision.retry_after,
+                    job=write.job,
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BUSY_POLL_MAX)
 
-    def _quarantine_job(self, job: str, route: Route) -> None:
-        if route.quarantine > 0:
-            proxy_log.warning(
-                "job %r quarantined for %.1fs: a write's outcome is unknown", job, route.quarantine
-            )
-            self._quarantine[job] = self._monotonic() + route.quarantine
-
-    async def _admit(self, write: FencedWrite) -> Admit | Replay:
-        """The store's decision, committed. If the request is cancelled meanwhile, a
-        key the store reserved is released again: nothing was sent."""
+    async def _store_admit(self, write: FencedWrite, route: Route) -> Admit | Replay | Busy:
+        """One admission; a refusal is raised. If the request is cancelled meanwhile,
+        what the store took is given back: nothing was sent."""
         admitting = asyncio.ensure_future(self._store.admit(write))
         try:
             decision = await asyncio.shield(admitting)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                if isinstance(await admitting, Admit) and write.key is not None:
-                    await self._settle(write, "not-sent")
+                if isinstance(await admitting, Admit):
+                    await self._end_turn(write, route, unknown=False)
+                    if write.key is not None:
+                        await self._settle(write, "not-sent")
             raise
         except StoreError as exc:
             proxy_log.error("store failed, refusing the write: %s", exc)
@@ -393,6 +406,21 @@ class Proxy:
         if isinstance(decision, Refusal):
             raise decision
         return decision
+
+    async def _end_turn(self, write: FencedWrite, route: Route, *, unknown: bool) -> None:
+        """Give the job's in-flight record back, or keep it for the route's quarantine
+        when the write's outcome is unknown. Survives cancellation. If the store fails,
+        the record stays until it expires: the job waits longer, nothing worse."""
+        if unknown and route.quarantine > 0:
+            proxy_log.warning(
+                "job %r held for %.1fs: a write's outcome is unknown", write.job, route.quarantine
+            )
+        try:
+            await _shielded(
+                self._store.end_turn(write, unknown_for=route.quarantine if unknown else None)
+            )
+        except StoreError as exc:
+            proxy_log.error("could not clear job %r's in-flight record: %s", write.job, exc)
 
     async def _settle(self, write: FencedWrite, outcome: _Outcome) -> None:
         """Record what became of a keyed write: its answer, unknown, or not sent

@@ -74,7 +74,7 @@ async def test_stalled_upload_does_not_hold_up_the_job(
 
 
 async def test_unknown_outcome_quarantines_the_job(
-    start_proxy: ProxyFactory, upstream: RecordingUpstream, monotonic: FakeClock
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, clock: FakeClock
 ) -> None:
     proxy = await start_proxy(
         [
@@ -103,7 +103,7 @@ async def test_unknown_outcome_quarantines_the_job(
     assert refused.headers["Retry-After"] == "30"
     assert (await fenced(proxy, "other", 1, body={"w": "other"})).status == 200
     slow.set()
-    monotonic.advance(31)
+    clock.advance(31)  # the store's clock: the job's in-flight record expires
     assert (await fenced(proxy, "j", 8, body={"w": 8})).status == 200
     assert [r.body for r in upstream.received if r.job == "j"] == [b'{"w": 7}', b'{"w": 8}']
 

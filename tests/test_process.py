@@ -57,9 +57,13 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def write(
-    http: aiohttp.ClientSession, proxy: ProxyProcess, generation: int, key: str | None = None
+    http: aiohttp.ClientSession,
+    proxy: ProxyProcess,
+    generation: int,
+    key: str | None = None,
+    job: str = "invoice-42",
 ) -> tuple[int, dict[str, object]]:
-    headers = {"Fencing-Job": "invoice-42", "Fencing-Token": str(generation)}
+    headers = {"Fencing-Job": job, "Fencing-Token": str(generation)}
     if key:
         headers["Idempotency-Key"] = key
     async with http.post(
@@ -84,29 +88,39 @@ async def test_fence_survives_kill_9(
 
 
 async def test_write_in_flight_at_kill_9_reads_as_unknown_after_restart(
-    spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, upstream: RecordingUpstream
+    tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
-    proxy = await spawn().start()
-    release = upstream.hold()
-    in_flight = asyncio.ensure_future(write(http, proxy, 3, key="charge-1"))
-    await upstream.wait_for(1)
-    proxy.signal(signal.SIGKILL)
-    await proxy.wait()
-    with pytest.raises(aiohttp.ClientError):
-        await in_flight
-    release()
+    config = write_config(tmp_path, upstream, route=", timeout: 500ms, quarantine: 500ms")
+    proxy = await ProxyProcess(config, free_port()).start()
+    try:
+        release = upstream.hold()
+        in_flight = asyncio.ensure_future(write(http, proxy, 3, key="charge-1"))
+        await upstream.wait_for(1)
+        proxy.signal(signal.SIGKILL)
+        await proxy.wait()
+        with pytest.raises(aiohttp.ClientError):
+            await in_flight
+        release()
 
-    restarted = await spawn().start()
-    status, body = await write(http, restarted, 3, key="charge-1")
-    assert status == 409
-    assert str(body["type"]).endswith("duplicate-outcome-unknown")
-    assert len(upstream.received) == 1
+        await proxy.restart()
+        # While the dead proxy's in-flight record lives, the key is in flight; then
+        # its outcome is unknown. Never sent twice.
+        status, body = await write(http, proxy, 3, key="charge-1")
+        assert (status, body["type"]) == (409, "urn:fenceproxy:problem:duplicate-in-flight")
+        async with asyncio.timeout(10):
+            while body["type"] == "urn:fenceproxy:problem:duplicate-in-flight":
+                await asyncio.sleep(0.1)
+                status, body = await write(http, proxy, 3, key="charge-1")
+        assert (status, body["type"]) == (409, "urn:fenceproxy:problem:duplicate-outcome-unknown")
+        assert len(upstream.received) == 1
+    finally:
+        await proxy.stop()
 
 
 async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
     tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
-    config = write_config(tmp_path, upstream, route=", quarantine: 1s")
+    config = write_config(tmp_path, upstream, route=", timeout: 1s, quarantine: 1s")
     proxy = await ProxyProcess(config, free_port()).start()
     try:
         release = upstream.hold()
@@ -121,11 +135,17 @@ async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
         assert status == 503
         assert str(body["type"]).endswith("job-quarantined")
         release()  # the old write lands late, as a slow upstream's would
+        # Only the job that had a write in flight waits.
+        assert (await write(http, proxy, 1, job="another-job"))[0] == 200
         async with asyncio.timeout(10):
             while (status := (await write(http, proxy, 2))[0]) == 503:
                 await asyncio.sleep(0.1)
         assert status == 200
-        assert [r.generation for r in upstream.received] == [1, 2]
+        assert [(r.job, r.generation) for r in upstream.received] == [
+            ("invoice-42", 1),
+            ("another-job", 1),
+            ("invoice-42", 2),
+        ]
     finally:
         await proxy.stop()
 

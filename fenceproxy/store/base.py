@@ -1,50 +1,64 @@
-"""The store interface: one durable home for fences, idempotency keys and leases.
+"""The store interface: the one durable home for fences, idempotency keys, leases
+and in-flight records, shared by every proxy that uses it.
 
-A backend keeps, per job, the highest generation it has accepted, and per
-(route, job, key) what became of a keyed write. Every decision is taken inside one
+A backend keeps, per job, the highest generation it has accepted and its in-flight
+record (which write may be at the upstream now, until when); per (route, job, key)
+what became of a keyed write; per job its lease. Every decision is taken inside one
 transaction by :func:`fenceproxy.fencing.decide`, and committed before the proxy
-forwards anything. Backends: :mod:`.sqlite` (one proxy process per file).
+forwards anything. Whatever the guarantees rest on lives here, not in a proxy's
+memory: a proxy's own caches (the SQLite store's fences, the proxy's key records)
+are either authoritative because one process owns the store, or only ever make a
+refusal, never an admission.
+
+Backends: :mod:`.sqlite` (one proxy process per file) and :mod:`.postgres` (any
+number of proxies on one database).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import json
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 from ..errors import Refusal
-from ..fencing import Admit, FencedWrite, Replay, StoredResponse
-from ..leasing import Lease
+from ..fencing import Admit, Busy, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse
+from ..leasing import Lease, LeaseState
 
-__all__ = ["JobLocks", "LeaseChange", "Store"]
+__all__ = ["JobLocks", "LeaseChange", "Store", "key_record", "lease_record"]
 
 LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
 """A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
 
 
 class Store(abc.ABC):
-    """Durable fences and idempotency keys.
+    """Durable fences, idempotency keys, leases and in-flight records.
 
     Every method raises :class:`~fenceproxy.errors.StoreError` when the backend fails;
-    callers fail closed on it.
+    callers fail closed on it. Anything else raised is a bug, and is left to surface.
     """
 
-    crashed: bool = False
-    """The previous process using the store did not stop cleanly: writes it had in
-    flight at an upstream may still be applied there."""
-    quiet_until: float = 0.0
-    """On the store's clock: until when the previous process, stopped cleanly, had
-    jobs quarantined."""
+    def __init__(self) -> None:
+        self.locks = JobLocks()
+        """This process's queue per job, in front of the store's in-flight records."""
 
     @abc.abstractmethod
-    async def stop_cleanly(self, quiet_until: float) -> None:
-        """Record a clean stop, with the end of the last quarantine it leaves behind."""
+    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal | Busy:
+        """Decide ``write``. Admitted, it takes the job's in-flight record for
+        ``write.hold`` seconds, raises the job's fence and marks its key in flight,
+        in one transaction that has committed when this returns. A write that would
+        be admitted while another write holds the record gets :class:`Busy`, and
+        nothing changes."""
 
     @abc.abstractmethod
-    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal:
-        """Decide ``write`` and, when admitted, durably raise the job's fence and mark
-        its key in flight, in one transaction that has committed when this returns."""
+    async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
+        """Give the job's in-flight record back: the upstream answered ``write``, or it
+        was never sent. With ``unknown_for``, it was sent and its outcome is unknown:
+        the record stays, marked unknown, for that many seconds from now, so no newer
+        write of the job can overtake it at the upstream. A record this write no
+        longer holds is left alone."""
 
     @abc.abstractmethod
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
@@ -63,35 +77,36 @@ class Store(abc.ABC):
         """The highest generation accepted for ``job``, or None if none was."""
 
     @abc.abstractmethod
-    async def change_lease(self, job: str, change: LeaseChange) -> Lease | Refusal:
+    async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         """Apply ``change`` to the job's lease in one transaction, with the job's fence
-        and the store's clock. A new lease is written, and the job's fence raised to
-        its generation, so a late write of an older holder is refused by the proxy
-        even before the new holder has written anything."""
+        and the store's clock; returns the outcome and that clock's reading. A new
+        lease is written, and the job's fence raised to its generation, so a late write
+        of an older holder is refused by the proxy even before the new holder has
+        written anything."""
 
     @abc.abstractmethod
-    async def lease(self, job: str) -> Lease | None:
-        """The job's lease record, if a lease was ever taken on it."""
+    async def lease(self, job: str) -> tuple[Lease | None, float]:
+        """The job's lease record, if a lease was ever taken on it, and the store's now."""
 
     @abc.abstractmethod
-    def now(self) -> float:
-        """The store's clock, which decides lease expiry."""
-
-    @abc.abstractmethod
-    def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:
-        """An async context manager that serialises the writes of one job, first come
-        first served. Held from the fence check until the upstream has answered."""
+    async def purge_expired(self) -> int:
+        """Delete idempotency keys and in-flight records past their time; how many."""
 
     @abc.abstractmethod
     async def close(self) -> None:
         """Finish pending work and release the backend."""
 
+    def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:
+        """Queue this process's writes of one job, first come first served, so only the
+        first of them asks the store for the job's in-flight record."""
+        return self.locks(job)
+
 
 class JobLocks:
     """In-process FIFO locks per job, dropped when nobody holds or waits for them.
 
-    Enough for a backend that only one proxy process uses at a time (SQLite); a
-    shared backend serialises across processes in the database instead.
+    They order one process's writes of a job and spare the store their contention;
+    the order across processes is the store's in-flight record.
     """
 
     __slots__ = ("_locks",)
@@ -142,3 +157,29 @@ class JobLocks:
             del self._locks[job]
         else:
             self._locks[job] = (lock, users - 1)
+
+
+def lease_record(row: Any) -> Lease | None:
+    """A ``(job, owner, generation, lease_until, ttl, state)`` row as a Lease."""
+    if row is None:
+        return None
+    job, owner, generation, lease_until, ttl, state = row
+    return Lease(
+        str(job), str(owner), int(generation), float(lease_until), float(ttl), LeaseState(state)
+    )
+
+
+def key_record(row: Any) -> KeyRecord | None:
+    """A ``(state, fingerprint, status, headers, body, live)`` row as a key's record.
+    A key in flight whose write no longer holds its job's in-flight record (``live``
+    false: that proxy died, or the record expired) reads as unknown."""
+    if row is None:
+        return None
+    state, fp, status, headers, body, live = row
+    response = None
+    if state == KeyState.COMPLETED:
+        pairs = tuple((str(k), str(v)) for k, v in json.loads(headers))
+        response = StoredResponse(status=int(status), headers=pairs, body=body)
+    elif state == KeyState.IN_FLIGHT and not live:
+        state = KeyState.UNKNOWN
+    return KeyRecord(state=KeyState(state), fingerprint=bytes(fp), response=response)

@@ -1,7 +1,8 @@
 """The embedded default store: one SQLite file, owned by one proxy process.
 
-It holds the fences, the idempotency keys and the leases, so a claim and the
-fence it raises commit together.
+It holds the fences, the idempotency keys, the leases and the jobs' in-flight
+records, so a claim and the fence it raises commit together, and so do a write's
+admission and its in-flight record.
 
 Durability: WAL mode. With ``synchronous=full`` (the default) a commit is on disk
 when it returns, so a fence survives a process crash *and* a power loss; with
@@ -10,11 +11,13 @@ the last commits (so a stale write could be admitted once after it).
 
 Writes from concurrent requests are grouped: every operation waiting while a
 commit runs goes into the next transaction, so many fence updates share one
-commit (and one fsync). An operation's caller resumes only after its commit.
+commit (and one fsync). An operation's caller resumes only after its commit. A
+batch is undone as a whole when one of its operations fails.
 
-The file is opened in SQLite's exclusive locking mode: per-job ordering is kept
-by in-process locks, so a second proxy on the same file is refused at start
-(:class:`~fenceproxy.errors.StoreLocked`) rather than allowed to break it.
+The file is opened in SQLite's exclusive locking mode: a second proxy on the same
+file is refused at start (:class:`~fenceproxy.errors.StoreLocked`), so this
+process's copy of the fences is the store's truth. The store's clock is this
+host's wall clock.
 """
 
 from __future__ import annotations
@@ -25,26 +28,27 @@ import json
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import aiosqlite
 
 from ..errors import Refusal, StoreError, StoreLocked
-from ..fencing import Admit, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse, decide
-from ..leasing import Lease, LeaseState
+from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
+from ..leasing import Lease
 from ..log import store_log
-from .base import JobLocks, LeaseChange, Store
+from .base import LeaseChange, Store, key_record, lease_record
 
-__all__ = ["SQLiteStore"]
+__all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
 T = TypeVar("T")
 _Op = Callable[["_Batch"], Awaitable[Any]]
 
-_SCHEMA_VERSION = 3
 _FENCE_CACHE_MAX = 100_000
-_SCHEMA = """
+# Each version's statements, applied in order inside one transaction; a new file
+# gets them all. Version 3 is the first released schema.
+_MIGRATIONS: dict[int, str] = {
+    3: """
 CREATE TABLE IF NOT EXISTS fences (
     job         TEXT PRIMARY KEY,
     generation  INTEGER NOT NULL,
@@ -78,13 +82,37 @@ CREATE TABLE IF NOT EXISTS meta (
     key         TEXT PRIMARY KEY,
     value       REAL NOT NULL
 ) WITHOUT ROWID;
-"""
+""",
+    # In-flight records per job replace the whole-store crash hold: a key in flight
+    # belongs to the write holding its job's record (``holder``). Keys left in flight
+    # by a version-3 process cannot be tied to one, so they read as unknown.
+    4: """
+CREATE TABLE inflight (
+    job         TEXT PRIMARY KEY,
+    holder      TEXT NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'unknown')),
+    expires_at  REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX inflight_expiry ON inflight (expires_at);
+ALTER TABLE idempotency_keys ADD COLUMN holder TEXT;
+UPDATE idempotency_keys SET state = 'unknown' WHERE state = 'in_flight';
+DROP TABLE meta;
+""",
+}
+SCHEMA_VERSION = max(_MIGRATIONS)
+_KEY_SQL = (
+    "SELECT k.state, k.fingerprint, k.status, k.headers, k.body, EXISTS (SELECT 1 FROM"
+    " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > ?)"
+    " FROM idempotency_keys k WHERE k.route = ? AND k.job = ? AND k.key = ? AND k.expires_at > ?"
+)
+_LEASE_SQL = "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = ?"
 
 Synchronous = Literal["full", "normal"]
 
 
 class SQLiteStore(Store):
-    """Fences and idempotency keys in one SQLite file. Open with :meth:`open`."""
+    """Fences, idempotency keys, leases and in-flight records in one SQLite file.
+    Open with :meth:`open`."""
 
     def __init__(
         self,
@@ -94,6 +122,7 @@ class SQLiteStore(Store):
         clock: Callable[[], float],
         purge_interval: float,
     ) -> None:
+        super().__init__()
         self._conn = conn
         self._key_ttl = key_ttl
         self._clock = clock
@@ -103,8 +132,6 @@ class SQLiteStore(Store):
         self.commits = 0
         """Transactions committed so far; fewer than operations under load."""
         self._fences: dict[str, int | None] = {}
-        self.locks = JobLocks()
-        """The per-job locks behind :meth:`job_lock`."""
         self._writer = asyncio.create_task(self._write_loop(), name="fenceproxy-sqlite-writer")
         self._purger = asyncio.create_task(
             self._purge_loop(purge_interval), name="fenceproxy-sqlite-purge"
@@ -120,110 +147,104 @@ class SQLiteStore(Store):
         clock: Callable[[], float] = time.time,
         purge_interval: float = 60.0,
     ) -> SQLiteStore:
-        """Open (and create or migrate) the store at ``path``.
+        """Open the store at ``path``; a file that does not exist yet is created with
+        the current schema.
 
-        Raises StoreLocked when another process has it open, StoreError when the
-        file cannot be opened or is not a fenceproxy store.
+        Raises StoreLocked when another process has it open, StoreError when the file
+        cannot be opened, is not a fenceproxy store, or has another schema version
+        (an older one is brought up to date by :meth:`migrate`).
         """
+        conn = await _connect(path, synchronous)
         try:
-            conn = await aiosqlite.connect(str(path), isolation_level=None, timeout=2.0)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
-        try:
-            await conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-            await conn.execute("PRAGMA journal_mode = WAL")
-            await conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
-            # Takes the exclusive lock now, not at the first request.
-            await conn.execute("BEGIN IMMEDIATE")
-            version = (await (await conn.execute("PRAGMA user_version")).fetchone() or (0,))[0]
-            if version > _SCHEMA_VERSION:
-                raise StoreError(
-                    f"SQLite store {str(path)!r} has schema version {version}; "
-                    f"this fenceproxy knows up to {_SCHEMA_VERSION}"
-                )
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                await conn.execute(statement)
-            await conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-            # A keyed write in flight when the previous process died may have reached
-            # the upstream: its outcome is unknown, and a retry must be told so.
-            cursor = await conn.execute(
-                "UPDATE idempotency_keys SET state = 'unknown' WHERE state = 'in_flight'"
-            )
-            if cursor.rowcount:
-                store_log.warning(
-                    "%d idempotency keys were in flight at the last stop; marked unknown",
-                    cursor.rowcount,
-                )
-            meta: dict[str, float] = {
-                str(k): float(v)
-                for k, v in await conn.execute_fetchall("SELECT key, value FROM meta")
-            }
-            crashed = meta.get("running") == 1
-            quiet_until = float(meta.get("quiet_until", 0.0))
-            await conn.execute("INSERT OR REPLACE INTO meta VALUES ('running', 1)")
+            version = await _schema_version(conn, path)
+            if version == 0:
+                await _apply_migrations(conn, 0)
+            elif version != SCHEMA_VERSION:
+                raise StoreError(_version_problem(str(path), version))
             await conn.execute("COMMIT")
-        except sqlite3.OperationalError as exc:
+        except BaseException as exc:
             await conn.close()
-            if "locked" in str(exc):
-                raise StoreLocked(
-                    f"SQLite store {str(path)!r} is in use by another process; "
-                    "one proxy per SQLite file"
-                ) from exc
-            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
-        except sqlite3.Error as exc:
+            _raise_opening_error(path, exc)
+        return cls(conn, key_ttl=key_ttl, clock=clock, purge_interval=purge_interval)
+
+    @staticmethod
+    async def migrate(path: str | Path) -> tuple[int, int]:
+        """Bring the store at ``path`` (created if missing) to the current schema, in
+        one transaction; returns the versions before and after. Raises as :meth:`open`."""
+        conn = await _connect(path, "full")
+        try:
+            version = await _schema_version(conn, path)
+            if version > SCHEMA_VERSION:
+                raise StoreError(_version_problem(str(path), version))
+            if version < SCHEMA_VERSION:
+                await _apply_migrations(conn, version)
+            await conn.execute("COMMIT")
+        except BaseException as exc:
+            _raise_opening_error(path, exc)
+        finally:
             await conn.close()
-            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
-        except BaseException:
-            await conn.close()
-            raise
-        if crashed:
-            store_log.warning("the previous process using this store did not stop cleanly")
-        store = cls(
-            conn,
-            key_ttl=key_ttl,
-            clock=clock,
-            purge_interval=purge_interval,
-        )
-        store.crashed, store.quiet_until = crashed, quiet_until
-        return store
+        return version, SCHEMA_VERSION
 
     # -- the interface --------------------------------------------------------
 
-    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal:
-        async def op(tx: _Batch) -> Admit | Replay | Refusal:
+    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal | Busy:
+        async def op(tx: _Batch) -> Admit | Replay | Refusal | Busy:
             now = self._clock()
             current = await tx.fence(write.job)
             record = None
             if write.key is not None:
-                record = _record(
-                    await tx.one(
-                        "SELECT state, fingerprint, status, headers, body FROM idempotency_keys"
-                        " WHERE route = ? AND job = ? AND key = ? AND expires_at > ?",
-                        (write.route, write.job, write.key, now),
-                    )
+                record = key_record(
+                    await tx.one(_KEY_SQL, (now, write.route, write.job, write.key, now))
                 )
             decision = decide(write, current, record)
-            if isinstance(decision, Admit):
-                if decision.raise_to is not None:
-                    await tx.set_fence(write.job, decision.raise_to, now)
-                if write.key is not None:
-                    await tx.write(
-                        "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
-                        " fingerprint, generation, created_at, expires_at)"
-                        " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?)",
-                        (
-                            write.route,
-                            write.job,
-                            write.key,
-                            write.fingerprint,
-                            write.generation,
-                            now,
-                            now + self._key_ttl,
-                        ),
-                    )
+            if not isinstance(decision, Admit):
+                return decision
+            turn = await tx.one(
+                "SELECT holder, state, expires_at FROM inflight WHERE job = ?", (write.job,)
+            )
+            if turn is not None and turn[2] > now and turn[0] != write.turn:
+                return Busy(retry_after=turn[2] - now, unknown=turn[1] == "unknown")
+            await tx.write(
+                "INSERT OR REPLACE INTO inflight (job, holder, state, expires_at)"
+                " VALUES (?, ?, 'in_flight', ?)",
+                (write.job, write.turn, now + write.hold),
+            )
+            if decision.raise_to is not None:
+                await tx.raise_fence(write.job, decision.raise_to, now)
+            if write.key is not None:
+                await tx.write(
+                    "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
+                    " fingerprint, generation, holder, created_at, expires_at)"
+                    " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?)",
+                    (
+                        write.route,
+                        write.job,
+                        write.key,
+                        write.fingerprint,
+                        write.generation,
+                        write.turn,
+                        now,
+                        now + self._key_ttl,
+                    ),
+                )
             return decision
 
         return await self._submit(op)  # type: ignore[no-any-return]
+
+    async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
+        async def op(tx: _Batch) -> None:
+            if unknown_for is None:
+                await tx.write(
+                    "DELETE FROM inflight WHERE job = ? AND holder = ?", (write.job, write.turn)
+                )
+            else:
+                await tx.write(
+                    "UPDATE inflight SET state = 'unknown', expires_at = ?"
+                    " WHERE job = ? AND holder = ?",
+                    (self._clock() + unknown_for, write.job, write.turn),
+                )
+
+        await self._submit(op)
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         headers = json.dumps(response.headers)
@@ -240,8 +261,8 @@ class SQLiteStore(Store):
         async def op(tx: _Batch) -> None:
             await tx.write(
                 "DELETE FROM idempotency_keys WHERE route = ? AND job = ? AND key = ?"
-                " AND state = 'in_flight'",
-                (write.route, write.job, write.key),
+                " AND state = 'in_flight' AND holder = ?",
+                (write.route, write.job, write.key, write.turn),
             )
 
         await self._submit(op)
@@ -252,16 +273,10 @@ class SQLiteStore(Store):
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
-    async def change_lease(self, job: str, change: LeaseChange) -> Lease | Refusal:
-        async def op(tx: _Batch) -> Lease | Refusal:
+    async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
+        async def op(tx: _Batch) -> tuple[Lease | Refusal, float]:
             now = self._clock()
-            current = _lease(
-                await tx.one(
-                    "SELECT job, owner, generation, lease_until, ttl, state FROM leases"
-                    " WHERE job = ?",
-                    (job,),
-                )
-            )
+            current = lease_record(await tx.one(_LEASE_SQL, (job,)))
             fence = await tx.fence(job)
             result = change(current, fence, now)
             if isinstance(result, Lease) and result != current:
@@ -279,46 +294,30 @@ class SQLiteStore(Store):
                     ),
                 )
                 if fence is None or result.generation > fence:
-                    await tx.set_fence(job, result.generation, now)
-            return result
+                    await tx.raise_fence(job, result.generation, now)
+            return result, now
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
-    async def lease(self, job: str) -> Lease | None:
-        async def op(tx: _Batch) -> Lease | None:
-            return _lease(
-                await tx.one(
-                    "SELECT job, owner, generation, lease_until, ttl, state FROM leases"
-                    " WHERE job = ?",
-                    (job,),
-                )
-            )
+    async def lease(self, job: str) -> tuple[Lease | None, float]:
+        async def op(tx: _Batch) -> tuple[Lease | None, float]:
+            return lease_record(await tx.one(_LEASE_SQL, (job,))), self._clock()
 
         return await self._submit(op)  # type: ignore[no-any-return]
-
-    def now(self) -> float:
-        return self._clock()
-
-    def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:
-        return self.locks(job)
 
     async def purge_expired(self) -> int:
-        """Delete idempotency keys past their ttl; returns how many."""
-
         async def op(tx: _Batch) -> int:
-            return await tx.write(
-                "DELETE FROM idempotency_keys WHERE expires_at <= ? AND state != 'in_flight'",
-                (self._clock(),),
+            now = self._clock()
+            turns = await tx.write("DELETE FROM inflight WHERE expires_at <= ?", (now,))
+            keys = await tx.write(
+                "DELETE FROM idempotency_keys WHERE expires_at <= ? AND NOT (state = 'in_flight'"
+                " AND EXISTS (SELECT 1 FROM inflight i WHERE i.job = idempotency_keys.job"
+                " AND i.holder = idempotency_keys.holder))",
+                (now,),
             )
+            return turns + keys
 
         return await self._submit(op)  # type: ignore[no-any-return]
-
-    async def stop_cleanly(self, quiet_until: float) -> None:
-        async def op(tx: _Batch) -> None:
-            await tx.write("INSERT OR REPLACE INTO meta VALUES ('running', 0)")
-            await tx.write("INSERT OR REPLACE INTO meta VALUES ('quiet_until', ?)", (quiet_until,))
-
-        await self._submit(op)
 
     async def close(self) -> None:
         if self._closing:
@@ -338,9 +337,9 @@ class SQLiteStore(Store):
     ) -> None:
         async def op(tx: _Batch) -> None:
             await tx.write(
-                f"UPDATE idempotency_keys SET {assignments}"
-                " WHERE route = ? AND job = ? AND key = ? AND state = 'in_flight'",
-                (*params, write.route, write.job, write.key),
+                f"UPDATE idempotency_keys SET {assignments} WHERE route = ? AND job = ?"
+                " AND key = ? AND state = 'in_flight' AND holder = ?",
+                (*params, write.route, write.job, write.key, write.turn),
             )
 
         await self._submit(op)
@@ -354,33 +353,51 @@ class SQLiteStore(Store):
         return await future
 
     async def _write_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                batch, self._pending = self._pending, []
-                await self._run_batch(batch)
-            if self._closing:
-                return
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._pending:
+                    batch, self._pending = self._pending, []
+                    await self._run_batch(batch)
+                if self._closing:
+                    return
+        finally:
+            # Whatever stopped the writer, nobody waits on it for ever.
+            for _, future in self._pending:
+                if not future.done():
+                    future.set_exception(StoreError("the store's writer stopped"))
+            self._pending = []
 
     async def _run_batch(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
         tx = _Batch(self._conn, self._fences)
         results: list[Any] = []
+        failure: BaseException | None = None
         try:
             for op, _ in batch:
                 results.append(await op(tx))
             if tx.began:
                 await self._conn.execute("COMMIT")
                 self.commits += 1
-        except Exception as exc:  # an op that fails fails its whole batch, closed
+        except sqlite3.Error as exc:
             store_log.error("SQLite transaction of %d operations failed: %s", len(batch), exc)
+            failure = StoreError(f"SQLite store failed: {exc}")
+        except Exception as exc:  # a bug in an operation: its caller sees it as it is
+            failure = exc
+        if failure is not None:
             if tx.began:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(sqlite3.Error):
                     await self._conn.execute("ROLLBACK")
-            error = StoreError(f"SQLite store failed: {exc}")
-            for _, future in batch:
+            # The failing operation's caller gets its error; the others, whose work
+            # was undone with it, a StoreError.
+            others = (
+                failure
+                if isinstance(failure, StoreError)
+                else StoreError("SQLite store failed: the transaction was undone")
+            )
+            for n, (_, future) in enumerate(batch):
                 if not future.done():
-                    future.set_exception(error)
+                    future.set_exception(failure if n == len(results) else others)
             return
         if len(self._fences) > _FENCE_CACHE_MAX:
             self._fences.clear()
@@ -397,7 +414,7 @@ class SQLiteStore(Store):
             except StoreError:
                 continue
             if removed:
-                store_log.info("purged %d expired idempotency keys", removed)
+                store_log.info("purged %d expired idempotency keys and in-flight records", removed)
 
 
 class _Batch:
@@ -442,31 +459,74 @@ class _Batch:
         self._cache[job] = generation  # read from what is committed: true already
         return generation
 
-    async def set_fence(self, job: str, generation: int, now: float) -> None:
+    async def raise_fence(self, job: str, generation: int, now: float) -> None:
+        """Raise the job's fence to ``generation``; the statement itself never lowers it."""
         await self.write(
             "INSERT INTO fences (job, generation, updated_at) VALUES (?, ?, ?)"
-            " ON CONFLICT (job) DO UPDATE SET generation = excluded.generation,"
+            " ON CONFLICT (job) DO UPDATE SET generation = max(generation, excluded.generation),"
             " updated_at = excluded.updated_at",
             (job, generation, now),
         )
-        self.fences[job] = generation
+        self.fences[job] = max(generation, await self.fence(job) or 0)
 
 
-def _lease(row: Any) -> Lease | None:
-    if row is None:
-        return None
-    job, owner, generation, lease_until, ttl, state = row
-    return Lease(
-        str(job), str(owner), int(generation), float(lease_until), float(ttl), LeaseState(state)
+async def _connect(path: str | Path, synchronous: Synchronous) -> aiosqlite.Connection:
+    """A connection holding the file's exclusive lock, inside an open transaction."""
+    try:
+        conn = await aiosqlite.connect(str(path), isolation_level=None, timeout=2.0)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
+    try:
+        await conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+        await conn.execute("PRAGMA journal_mode = WAL")
+        await conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+        # Takes the exclusive lock now, not at the first request.
+        await conn.execute("BEGIN IMMEDIATE")
+    except BaseException as exc:
+        await conn.close()
+        _raise_opening_error(path, exc)
+    return conn
+
+
+async def _schema_version(conn: aiosqlite.Connection, path: str | Path) -> int:
+    """The file's schema version: 0 for a new, empty file. StoreError for a file
+    that has tables but no version: it is not a fenceproxy store."""
+    row = await (await conn.execute("PRAGMA user_version")).fetchone()
+    version = int(row[0]) if row else 0
+    if version == 0 and list(
+        await conn.execute_fetchall("SELECT 1 FROM sqlite_master WHERE type = 'table' LIMIT 1")
+    ):
+        raise StoreError(f"{str(path)!r} is an SQLite file, but not a fenceproxy store")
+    return version
+
+
+async def _apply_migrations(conn: aiosqlite.Connection, version: int) -> None:
+    for target in sorted(v for v in _MIGRATIONS if v > version):
+        for statement in filter(str.strip, _MIGRATIONS[target].split(";")):
+            await conn.execute(statement)
+        await conn.execute(f"PRAGMA user_version = {target}")
+        store_log.info("SQLite store migrated to schema version %d", target)
+
+
+def _version_problem(path: str, version: int) -> str:
+    if version > SCHEMA_VERSION:
+        return (
+            f"SQLite store {path!r} has schema version {version}; this fenceproxy knows up "
+            f"to {SCHEMA_VERSION}: run a newer fenceproxy"
+        )
+    return (
+        f"SQLite store {path!r} has schema version {version}, and this fenceproxy needs "
+        f"{SCHEMA_VERSION}: stop every proxy using it, then run: fenceproxy migrate -c FILE"
     )
 
 
-def _record(row: Any) -> KeyRecord | None:
-    if row is None:
-        return None
-    state, fp, status, headers, body = row
-    response = None
-    if state == KeyState.COMPLETED:
-        pairs = tuple((str(k), str(v)) for k, v in json.loads(headers))
-        response = StoredResponse(status=int(status), headers=pairs, body=body)
-    return KeyRecord(state=KeyState(state), fingerprint=bytes(fp), response=response)
+def _raise_opening_error(path: str | Path, exc: BaseException) -> NoReturn:
+    """Raise an opening failure as StoreError (StoreLocked when another process holds
+    the file); anything but an SQLite error as it is."""
+    if not isinstance(exc, sqlite3.Error):
+        raise exc
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        raise StoreLocked(
+            f"SQLite store {str(path)!r} is in use by another process; one proxy per SQLite file"
+        ) from exc
+    raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
