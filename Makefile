@@ -36,15 +36,20 @@ pytest: $(STAMP) servers
 	$(BIN)/pytest
 
 ## Servers the tests drive for real, from Debian's packages when missing (as root):
-## nginx, the reference for how an upstream resolves a request path.
+## nginx, the reference for how an upstream resolves a request path, and PostgreSQL,
+## the shared store (the tests start a throwaway cluster of their own).
 servers:
-	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
+	@missing=""; \
+	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
+	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+	  || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing nginx from Debian's packages"; \
+	    echo "installing$$missing from Debian's packages"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq --no-install-recommends nginx >/dev/null; \
+	      apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else \
-	    echo "nginx is not installed: the tests held against it are skipped"; \
+	    echo "not installed:$$missing; the tests that need them are skipped"; \
 	  fi; \
 	fi
 

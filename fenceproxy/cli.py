@@ -1,4 +1,4 @@
-"""The command line: ``fenceproxy serve | check-config | demo | lease``."""
+"""The command line: ``fenceproxy serve | check-config | migrate | demo | lease | chaos``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from .config import Config, load_config, parse_listen, parse_store_url
 from .demo import run_demo
 from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
 from .log import MalformedRequestFilter, access_log, server_log
+from .store import migrate_store
 
 __all__ = ["main"]
 
@@ -36,6 +37,16 @@ def _parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+
+    migrate = commands.add_parser(
+        "migrate",
+        help="create or update the store's schema (run before serve on PostgreSQL)",
+        description="Bring the config's store to this fenceproxy's schema, in one "
+        "transaction; a store already up to date is left as it is. Exit 0 on success, "
+        "1 when the store cannot be reached or has a newer schema.",
+    )
+    migrate.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+    migrate.add_argument("--store", metavar="URL", help="override the file's store")
 
     commands.add_parser("demo", help="run the worked example on loopback")
     commands.add_parser(
@@ -70,11 +81,11 @@ def _serve(config: Config, log_level: str) -> None:
     logging.getLogger("aiohttp.server").addFilter(MalformedRequestFilter())
     host, port = parse_listen(config.listen)
     server_log.info(
-        "fenceproxy on http://%s:%d, %d route(s), store: SQLite file %s",
+        "fenceproxy on http://%s:%d, %d route(s), store: %s",
         host,
         port,
         len(config.routes),
-        parse_store_url(config.store).path,
+        parse_store_url(config.store).describe(),
     )
     web.run_app(
         make_app(config),
@@ -129,6 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _load(args)
         if args.command == "check-config":
             print(f"{args.config}: OK, {len(config.routes)} route(s)")
+            return 0
+        if args.command == "migrate":
+            before, after = asyncio.run(migrate_store(config.store))
+            where = parse_store_url(config.store).describe()
+            if before == after:
+                print(f"{where}: schema version {after}, up to date")
+            else:
+                print(f"{where}: schema version {before} -> {after}")
             return 0
         _serve(config, args.log_level)
     except ConfigError as exc:

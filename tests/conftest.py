@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
@@ -13,10 +16,11 @@ from hypothesis import settings
 
 from fenceproxy.app import STORE_KEY, make_app
 from fenceproxy.config import parse_config
-from fenceproxy.store import Store
+from fenceproxy.store import PostgresStore, Store
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .nginx import NGINX, Nginx
+from .postgres import PostgresServer, postgres_bin
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -40,6 +44,52 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL cluster for the session, with the database ``fenceproxy``
+    migrated (``make test`` installs PostgreSQL where it can; elsewhere the tests that
+    need it are skipped, saying so)."""
+    bin_dir = postgres_bin()
+    if bin_dir is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not installed, and CI must run every test")
+        pytest.skip("PostgreSQL is not installed (make test installs it when run as root)")
+    # Not under pytest's temporary folder: the postgres user must reach it.
+    directory = Path(tempfile.mkdtemp(prefix="fenceproxy-postgres-"))
+    server = PostgresServer(directory, bin_dir).init().start()
+    try:
+        _sql(server.url(), "CREATE DATABASE fenceproxy")
+        asyncio.run(PostgresStore.migrate(server.url("fenceproxy")))
+        yield server
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _sql(url: str, *statements: str) -> None:
+    async def run() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            for statement in statements:
+                await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Every test that uses it runs on both stores: a new SQLite file, or the session's
+    PostgreSQL database emptied."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fences.db'}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    url = server.url("fenceproxy")
+    _sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
+    return url
+
+
 @pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "fences.db"
@@ -57,10 +107,10 @@ def monotonic() -> FakeClock:
 
 
 @pytest.fixture
-def proxy_config(upstream: RecordingUpstream, store_path: Path) -> Callable[..., Any]:
+def proxy_config(upstream: RecordingUpstream, store_url: str) -> Callable[..., Any]:
     def build(routes: list[dict[str, Any]] | None = None, **top: Any) -> Any:
         data = {
-            "store": f"sqlite:///{store_path}",
+            "store": store_url,
             "routes": routes
             or [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
             **top,

@@ -15,9 +15,8 @@ import pytest
 from fenceproxy.app import make_app
 from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
-from fenceproxy.store import sqlite as sqlite_store
 
-from .broken_fence import decide_ignoring_generations
+from .broken_fence import BACKENDS, decide_ignoring_generations
 
 # The deliberately broken build: fenceproxy with a store that admits stale writes.
 BROKEN_PROXY = (sys.executable, str(Path(__file__).with_name("broken_fence.py")))
@@ -159,7 +158,8 @@ async def test_checker_over_a_directed_stale_write(
     generation-1 write arrives. The real build refuses it and the checker is
     content; the broken build applies it and the checker says so."""
     if broken:
-        monkeypatch.setattr(sqlite_store, "decide", decide_ignoring_generations)
+        for backend in BACKENDS:
+            monkeypatch.setattr(backend, "decide", decide_ignoring_generations)
     proxy = await aiohttp_client(make_app(proxy_config()))
     events = []
     for op, generation in (("new", 2), ("stale", 1)):

@@ -1,15 +1,19 @@
-"""Where fences and idempotency keys live. :func:`open_store` picks the backend."""
+"""Where fences, idempotency keys, leases and in-flight records live.
+:func:`open_store` and :func:`migrate_store` pick the backend from a ``store:`` URL."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 from ..config import StoreURL, parse_store_url
+from ..errors import StoreError
 from .base import JobLocks, Store
+from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
-__all__ = ["JobLocks", "SQLiteStore", "Store", "open_store"]
+__all__ = ["JobLocks", "PostgresStore", "SQLiteStore", "Store", "migrate_store", "open_store"]
 
 
 async def open_store(
@@ -18,12 +22,42 @@ async def open_store(
     key_ttl: float,
     clock: Callable[[], float] = time.time,
 ) -> Store:
-    """Open the store a ``store:`` URL names. Raises StoreError when it cannot be
-    opened, ValueError for a URL that config validation would have refused."""
+    """Open the store a ``store:`` URL names. ``clock`` is SQLite's clock; PostgreSQL
+    reads its own, unless ``clock`` is another than ``time.time`` (a test's).
+    Raises StoreError when it cannot be opened, ValueError for a URL that config
+    validation would have refused."""
     parsed = parse_store_url(url) if isinstance(url, str) else url
+    if parsed.backend == "postgresql":
+        return await PostgresStore.open(
+            parsed.dsn,
+            pool_size=parsed.pool,
+            password=_password(parsed),
+            key_ttl=key_ttl,
+            clock=(lambda: None) if clock is time.time else clock,
+        )
     return await SQLiteStore.open(
         parsed.path,
         synchronous=parsed.synchronous,
         key_ttl=key_ttl,
         clock=clock,
     )
+
+
+async def migrate_store(url: str | StoreURL) -> tuple[int, int]:
+    """Bring the store a URL names to this fenceproxy's schema; the versions before
+    and after. Raises StoreError."""
+    parsed = parse_store_url(url) if isinstance(url, str) else url
+    if parsed.backend == "postgresql":
+        return await PostgresStore.migrate(parsed.dsn, password=_password(parsed))
+    return await SQLiteStore.migrate(parsed.path)
+
+
+def _password(url: StoreURL) -> str | None:
+    if url.password_env is None:
+        return None  # the driver falls back on PGPASSWORD and ~/.pgpass
+    password = os.environ.get(url.password_env)
+    if password is None:
+        raise StoreError(
+            f"the store's password is to come from ${url.password_env}, which is not set"
+        )
+    return password

@@ -1,0 +1,498 @@
+"""The shared store: PostgreSQL, for any number of proxies on one database.
+
+Everything the guarantees rest on is a row here, never a connection or a session:
+the fences, the keys, the leases, and each job's in-flight record, which orders
+one job's writes across every proxy and outlives a proxy that dies mid-write. The
+database's clock (``clock_timestamp()``) decides every expiry.
+
+How a write is admitted, in one transaction:
+
+1. take the job's in-flight record: an ``INSERT ... ON CONFLICT DO UPDATE`` that
+   succeeds only when the record is absent, expired or already this write's. Two
+   proxies admitting one job meet on that row: the second waits for the first's
+   commit, then finds the record live and gets :class:`~fenceproxy.fencing.Busy`;
+2. read the fence and the key, in a new statement, so with a fresh snapshot taken
+   after the record was won: no admission of the job can commit in between;
+3. decide in Python (:func:`fenceproxy.fencing.decide`) and write: the fence only
+   ever rises (``GREATEST``), the key goes in flight. A refusal rolls back, record
+   and all.
+
+Errors of the driver and the network become :class:`~fenceproxy.errors.StoreError`
+in :meth:`PostgresStore._run`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from ..errors import Refusal, StoreError
+from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
+from ..leasing import Lease
+from ..log import store_log
+from .base import LeaseChange, Store, key_record, lease_record
+
+__all__ = ["SCHEMA_VERSION", "PostgresStore"]
+
+T = TypeVar("T")
+if TYPE_CHECKING:  # subscriptable in the type stubs only
+    from asyncpg.pool import PoolConnectionProxy
+
+    _Conn = PoolConnectionProxy[asyncpg.Record]
+
+_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE fences (
+    job         text PRIMARY KEY,
+    generation  bigint NOT NULL,
+    updated_at  double precision NOT NULL
+);
+CREATE TABLE idempotency_keys (
+    route       text NOT NULL,
+    job         text NOT NULL,
+    key         text NOT NULL,
+    state       text NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    fingerprint bytea NOT NULL,
+    generation  bigint NOT NULL,
+    holder      text,
+    status      integer,
+    headers     text,
+    body        bytea,
+    created_at  double precision NOT NULL,
+    expires_at  double precision NOT NULL,
+    PRIMARY KEY (route, job, key)
+);
+CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
+CREATE TABLE leases (
+    job         text PRIMARY KEY,
+    owner       text NOT NULL,
+    generation  bigint NOT NULL,
+    lease_until double precision NOT NULL,
+    ttl         double precision NOT NULL,
+    state       text NOT NULL CHECK (state IN ('held', 'released', 'completed')),
+    updated_at  double precision NOT NULL
+);
+CREATE TABLE inflight (
+    job         text PRIMARY KEY,
+    holder      text NOT NULL,
+    state       text NOT NULL CHECK (state IN ('in_flight', 'unknown')),
+    expires_at  double precision NOT NULL
+);
+CREATE INDEX inflight_expiry ON inflight (expires_at);
+""",
+}
+SCHEMA_VERSION = max(_MIGRATIONS)
+_VERSION_TABLE = "fenceproxy_schema"
+# Any constant: migrations of one database take this advisory lock, one at a time.
+_MIGRATION_LOCK = 0x66656E6365
+
+# The database's clock, in seconds since the epoch, unless a test gives its own.
+_NOW = "coalesce($clock::double precision, extract(epoch FROM clock_timestamp())::double precision)"
+
+
+def _sql(statement: str) -> str:
+    """``$clock`` becomes the statement's last parameter."""
+    count = max((n for n in range(1, 10) if f"${n}" in statement), default=0)
+    return statement.replace("$clock", f"${count + 1}")
+
+
+_TAKE_TURN = _sql(
+    f"""
+WITH now AS (SELECT {_NOW} AS t),
+taken AS (
+    INSERT INTO inflight AS i (job, holder, state, expires_at)
+    SELECT $1, $2, 'in_flight', now.t + $3 FROM now
+    ON CONFLICT (job) DO UPDATE
+        SET holder = excluded.holder, state = 'in_flight', expires_at = excluded.expires_at
+        WHERE i.expires_at <= (SELECT t FROM now) OR i.holder = excluded.holder
+    RETURNING 1
+)
+SELECT (SELECT t FROM now), EXISTS (SELECT 1 FROM taken),
+       (SELECT state FROM inflight WHERE job = $1), (SELECT expires_at FROM inflight WHERE job = $1)
+"""
+)
+_READ = _sql(
+    f"""
+SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1)
+"""
+)
+# The fence, locked until the lease change commits, so an admission that raises it
+# meanwhile is waited for and seen.
+_READ_FOR_CLAIM = _sql(
+    f"""
+SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1 FOR UPDATE)
+"""
+)
+_READ_KEY = _sql(
+    f"""
+SELECT k.state, k.fingerprint, k.status, k.headers, k.body,
+       EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
+               AND i.expires_at > {_NOW})
+FROM idempotency_keys k
+WHERE k.route = $2 AND k.job = $1 AND k.key = $3 AND k.expires_at > {_NOW}
+"""
+)
+_RAISE_FENCE = """
+INSERT INTO fences AS f (job, generation, updated_at) VALUES ($1, $2, $3)
+ON CONFLICT (job) DO UPDATE
+    SET generation = GREATEST(f.generation, excluded.generation), updated_at = excluded.updated_at
+"""
+_LEASE = "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = $1"
+
+
+async def _one(conn: _Conn, statement: str, *args: Any) -> asyncpg.Record:
+    """The one row a statement that always returns one returns."""
+    row = await conn.fetchrow(statement, *args)
+    assert row is not None
+    return row
+
+
+class PostgresStore(Store):
+    """Fences, idempotency keys, leases and in-flight records in PostgreSQL.
+    Open with :meth:`open`; the database must have been migrated first."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        key_ttl: float,
+        clock: Callable[[], float | None],
+        purge_interval: float,
+        where: str,
+    ) -> None:
+        super().__init__()
+        self._pool = pool
+        self._key_ttl = key_ttl
+        self._clock = clock
+        self._where = where
+        self._closing = False
+        self._purger = asyncio.create_task(
+            self._purge_loop(purge_interval), name="fenceproxy-postgres-purge"
+        )
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        *,
+        pool_size: int = 10,
+        password: str | None = None,
+        key_ttl: float = 24 * 3600.0,
+        clock: Callable[[], float | None] = lambda: None,
+        purge_interval: float = 60.0,
+        connect_timeout: float = 5.0,
+    ) -> PostgresStore:
+        """Connect a pool of up to ``pool_size`` connections. Raises StoreError when the
+        database cannot be reached or is not migrated to this fenceproxy's schema."""
+        where = _where(dsn)
+        try:
+            pool = await asyncpg.create_pool(
+                dsn,
+                password=password,
+                min_size=1,
+                max_size=pool_size,
+                timeout=connect_timeout,
+                command_timeout=connect_timeout * 2,
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise StoreError(f"cannot connect to the PostgreSQL store {where}: {exc}") from exc
+        try:
+            async with pool.acquire() as conn:
+                version = await _schema_version(conn)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            await pool.close()
+            raise StoreError(f"cannot read the PostgreSQL store {where}: {exc}") from exc
+        if version != SCHEMA_VERSION:
+            await pool.close()
+            raise StoreError(_version_problem(where, version))
+        return cls(pool, key_ttl=key_ttl, clock=clock, purge_interval=purge_interval, where=where)
+
+    @staticmethod
+    async def migrate(
+        dsn: str, *, password: str | None = None, connect_timeout: float = 5.0
+    ) -> tuple[int, int]:
+        """Bring the database to the current schema, in one transaction that holds an
+        advisory lock (two migrations at once take turns); the versions before and
+        after. Raises StoreError."""
+        where = _where(dsn)
+        try:
+            conn = await asyncpg.connect(dsn, password=password, timeout=connect_timeout)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise StoreError(f"cannot connect to the PostgreSQL store {where}: {exc}") from exc
+        try:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+                await conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS {_VERSION_TABLE} (version integer NOT NULL)"
+                )
+                version = await _schema_version(conn)
+                if version > SCHEMA_VERSION:
+                    raise StoreError(_version_problem(where, version))
+                for target in sorted(v for v in _MIGRATIONS if v > version):
+                    await conn.execute(_MIGRATIONS[target])
+                    store_log.info("PostgreSQL store migrated to schema version %d", target)
+                await conn.execute(f"DELETE FROM {_VERSION_TABLE}")
+                await conn.execute(
+                    f"INSERT INTO {_VERSION_TABLE} (version) VALUES ($1)", SCHEMA_VERSION
+                )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise StoreError(f"migrating the PostgreSQL store {where} failed: {exc}") from exc
+        finally:
+            await conn.close()
+        return version, SCHEMA_VERSION
+
+    # -- the interface --------------------------------------------------------
+
+    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal | Busy:
+        async def tx(conn: _Conn) -> Admit | Replay | Refusal | Busy:
+            clock = self._clock()
+            _, got, state, expires = await _one(
+                conn, _TAKE_TURN, write.job, write.turn, write.hold, clock
+            )
+            now, current = await _one(conn, _READ, write.job, clock)
+            record = None
+            if write.key is not None:
+                record = key_record(
+                    await conn.fetchrow(_READ_KEY, write.job, write.route, write.key, clock)
+                )
+            decision = decide(write, current, record)
+            if not isinstance(decision, Admit):
+                raise _Undo(decision)
+            if not got:
+                raise _Undo(
+                    Busy(
+                        retry_after=max(0.0, (expires or now) - now),
+                        unknown=state == "unknown",
+                    )
+                )
+            if decision.raise_to is not None:
+                await conn.execute(_RAISE_FENCE, write.job, decision.raise_to, now)
+            if write.key is not None:
+                await conn.execute(
+                    "INSERT INTO idempotency_keys (route, job, key, state, fingerprint,"
+                    " generation, holder, created_at, expires_at)"
+                    " VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, $8)"
+                    " ON CONFLICT (route, job, key) DO UPDATE SET state = 'in_flight',"
+                    " fingerprint = excluded.fingerprint, generation = excluded.generation,"
+                    " holder = excluded.holder, status = NULL, headers = NULL, body = NULL,"
+                    " created_at = excluded.created_at, expires_at = excluded.expires_at",
+                    write.route,
+                    write.job,
+                    write.key,
+                    write.fingerprint,
+                    write.generation,
+                    write.turn,
+                    now,
+                    now + self._key_ttl,
+                )
+            return decision
+
+        return await self._run(tx)
+
+    async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
+        async def tx(conn: _Conn) -> None:
+            if unknown_for is None:
+                await conn.execute(
+                    "DELETE FROM inflight WHERE job = $1 AND holder = $2", write.job, write.turn
+                )
+            else:
+                await conn.execute(
+                    _sql(
+                        f"UPDATE inflight SET state = 'unknown', expires_at = {_NOW} + $3"
+                        " WHERE job = $1 AND holder = $2"
+                    ),
+                    write.job,
+                    write.turn,
+                    unknown_for,
+                    self._clock(),
+                )
+
+        await self._run(tx, transaction=False)
+
+    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
+        await self._update_key(
+            write,
+            "state = 'completed', status = $5, headers = $6, body = $7",
+            response.status,
+            json.dumps(response.headers),
+            response.body,
+        )
+
+    async def mark_unknown(self, write: FencedWrite) -> None:
+        await self._update_key(write, "state = 'unknown'")
+
+    async def forget_key(self, write: FencedWrite) -> None:
+        async def tx(conn: _Conn) -> None:
+            await conn.execute(
+                "DELETE FROM idempotency_keys WHERE route = $1 AND job = $2 AND key = $3"
+                " AND state = 'in_flight' AND holder = $4",
+                write.route,
+                write.job,
+                write.key,
+                write.turn,
+            )
+
+        await self._run(tx, transaction=False)
+
+    async def generation(self, job: str) -> int | None:
+        async def tx(conn: _Conn) -> int | None:
+            value = await conn.fetchval("SELECT generation FROM fences WHERE job = $1", job)
+            return None if value is None else int(value)
+
+        return await self._run(tx, transaction=False)
+
+    async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
+        async def tx(conn: _Conn) -> tuple[Lease | Refusal, float]:
+            # One lease change per job at a time, across every proxy.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", job)
+            current = lease_record(await conn.fetchrow(_LEASE, job))
+            now, fence = await _one(conn, _READ_FOR_CLAIM, job, self._clock())
+            result = change(current, None if fence is None else int(fence), now)
+            if isinstance(result, Lease) and result != current:
+                await conn.execute(
+                    "INSERT INTO leases (job, owner, generation, lease_until, ttl, state,"
+                    " updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7)"
+                    " ON CONFLICT (job) DO UPDATE SET owner = excluded.owner,"
+                    " generation = excluded.generation, lease_until = excluded.lease_until,"
+                    " ttl = excluded.ttl, state = excluded.state, updated_at = excluded.updated_at",
+                    job,
+                    result.owner,
+                    result.generation,
+                    result.lease_until,
+                    result.ttl,
+                    result.state.value,
+                    now,
+                )
+                await conn.execute(_RAISE_FENCE, job, result.generation, now)
+            return result, float(now)
+
+        return await self._run(tx)
+
+    async def lease(self, job: str) -> tuple[Lease | None, float]:
+        async def tx(conn: _Conn) -> tuple[Lease | None, float]:
+            lease = lease_record(await conn.fetchrow(_LEASE, job))
+            now = await conn.fetchval(_sql(f"SELECT {_NOW}"), self._clock())
+            return lease, float(now)
+
+        return await self._run(tx, transaction=False)
+
+    async def purge_expired(self) -> int:
+        async def tx(conn: _Conn) -> int:
+            clock = self._clock()
+            turns = await conn.execute(
+                _sql(f"DELETE FROM inflight WHERE expires_at <= {_NOW}"), clock
+            )
+            keys = await conn.execute(
+                _sql(
+                    f"DELETE FROM idempotency_keys k WHERE k.expires_at <= {_NOW}"
+                    " AND NOT (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight i"
+                    " WHERE i.job = k.job AND i.holder = k.holder))"
+                ),
+                clock,
+            )
+            return _count(turns) + _count(keys)
+
+        return await self._run(tx)
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._purger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._purger
+        await self._pool.close()
+
+    # -- the one boundary ----------------------------------------------------
+
+    async def _run(self, work: Callable[[_Conn], Awaitable[T]], *, transaction: bool = True) -> T:
+        """Run ``work`` on a pooled connection, in a transaction unless told otherwise.
+        The driver's and the network's errors become StoreError here: a connection
+        lost mid-transaction leaves nothing half-applied, since the server rolls
+        back what was not committed."""
+        if self._closing:
+            raise StoreError("the store is closed")
+        try:
+            async with self._pool.acquire() as conn:
+                if not transaction:
+                    return await work(conn)
+                try:
+                    async with conn.transaction():
+                        return await work(conn)
+                except _Undo as undo:
+                    return undo.outcome  # type: ignore[no-any-return]
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
+            raise StoreError(f"PostgreSQL store failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _update_key(self, write: FencedWrite, assignments: str, *values: Any) -> None:
+        async def tx(conn: _Conn) -> None:
+            await conn.execute(
+                f"UPDATE idempotency_keys SET {assignments} WHERE route = $1 AND job = $2"
+                " AND key = $3 AND state = 'in_flight' AND holder = $4",
+                write.route,
+                write.job,
+                write.key,
+                write.turn,
+                *values,
+            )
+
+        await self._run(tx, transaction=False)
+
+    async def _purge_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                removed = await self.purge_expired()
+            except StoreError:
+                continue
+            if removed:
+                store_log.info("purged %d expired idempotency keys and in-flight records", removed)
+
+
+class _Undo(Exception):
+    """Roll the transaction back and answer ``outcome``."""
+
+    def __init__(self, outcome: Any) -> None:
+        super().__init__()
+        self.outcome = outcome
+
+
+async def _schema_version(conn: _Conn | asyncpg.Connection) -> int:
+    exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", _VERSION_TABLE)
+    if not exists:
+        return 0
+    return int(await conn.fetchval(f"SELECT coalesce(max(version), 0) FROM {_VERSION_TABLE}"))
+
+
+def _version_problem(where: str, version: int) -> str:
+    if version > SCHEMA_VERSION:
+        return (
+            f"PostgreSQL store {where} has schema version {version}; this fenceproxy knows up "
+            f"to {SCHEMA_VERSION}: run a newer fenceproxy"
+        )
+    if version == 0:
+        return f"PostgreSQL store {where} is not migrated: run fenceproxy migrate -c FILE"
+    return (
+        f"PostgreSQL store {where} has schema version {version}, and this fenceproxy needs "
+        f"{SCHEMA_VERSION}: run fenceproxy migrate -c FILE"
+    )
+
+
+def _where(dsn: str) -> str:
+    """Host, port and database of a DSN, for messages: never the password."""
+    parts = urlsplit(dsn)
+    host = parts.hostname or "localhost"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{host}{port}{parts.path or '/'}"
+
+
+def _count(status: str) -> int:
+    """The row count of a command status such as ``DELETE 3``."""
+    return int(status.rsplit(" ", 1)[-1]) if status else 0

@@ -1,0 +1,302 @@
+"""The store's own behaviour on both backends: faults inside a transaction undo it
+and tell every caller, the fence only rises under racing writers, schemas are
+versioned and migrated, a closed store refuses work."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import closing
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from fenceproxy import cli
+from fenceproxy.errors import StoreError
+from fenceproxy.fencing import Admit, Busy, FencedWrite
+from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
+from fenceproxy.testing import FakeClock
+
+from .postgres import PostgresServer
+
+SQLITE_TRIGGER = (
+    "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys WHEN NEW.key = 'boom'"
+    " BEGIN SELECT RAISE(ABORT, 'disk I/O error (injected)'); END"
+)
+POSTGRES_TRIGGER = [
+    "CREATE FUNCTION boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+    " IF NEW.key = 'boom' THEN RAISE EXCEPTION 'disk I/O error (injected)'; END IF;"
+    " RETURN NEW; END $$",
+    "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION boom()",
+]
+
+
+async def sql(url: str, *statements: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def store(store_url: str, clock: FakeClock) -> AsyncIterator[Store]:
+    opened = await open_store(store_url, key_ttl=60, clock=clock)
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
+async def fresh_postgres(postgres: PostgresServer) -> AsyncIterator[str]:
+    """A new, empty database of its own."""
+    name = f"fresh_{random.randrange(1 << 30)}"
+    await sql(postgres.url(), f"CREATE DATABASE {name}")
+    yield postgres.url(name)
+    await sql(postgres.url(), f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def keyed(job: str, generation: int, key: str) -> FencedWrite:
+    return FencedWrite("r", job, generation, key=key, fingerprint=key.encode())
+
+
+async def test_a_fault_inside_a_transaction_undoes_it_and_tells_its_callers(
+    store_url: str, clock: FakeClock
+) -> None:
+    if store_url.startswith("sqlite"):
+        path = store_url.removeprefix("sqlite:///")
+        await SQLiteStore.migrate(path)
+        with closing(sqlite3.connect(path)) as conn:
+            conn.execute(SQLITE_TRIGGER)
+            conn.commit()
+    else:
+        await sql(store_url, *POSTGRES_TRIGGER)
+    store = await open_store(store_url, key_ttl=60, clock=clock)
+    try:
+        good, bad, other = keyed("a", 5, "k"), keyed("b", 5, "boom"), keyed("c", 5, "k")
+        outcomes = await asyncio.gather(
+            store.admit(good), store.admit(bad), store.admit(other), return_exceptions=True
+        )
+        assert isinstance(outcomes[1], StoreError)
+        assert "injected" in str(outcomes[1])
+        # Nothing of the failed write stays: no fence, no in-flight record.
+        assert await store.generation("b") is None
+        assert isinstance(await store.admit(keyed("b", 5, "retry")), Admit)
+        if isinstance(store, SQLiteStore):
+            # One batch, one transaction: its other writes were undone with it, and
+            # their callers were told.
+            assert all(isinstance(o, StoreError) for o in outcomes)
+            assert await store.generation("a") is None
+        else:
+            # One transaction per write: the others are untouched.
+            assert outcomes[0] == outcomes[2] == Admit(raise_to=5)
+            assert await store.generation("a") == 5
+        assert isinstance(await store.admit(FencedWrite("r", "d", 1)), Admit)  # then on
+    finally:
+        await store.close()
+        if not store_url.startswith("sqlite"):
+            await sql(store_url, "DROP TRIGGER boom ON idempotency_keys", "DROP FUNCTION boom")
+
+
+async def test_a_closed_store_refuses_work_at_once(store: Store) -> None:
+    await store.close()
+    async with asyncio.timeout(5):
+        with pytest.raises(StoreError):
+            await store.admit(FencedWrite("r", "j", 1))
+
+
+async def test_a_write_of_a_job_whose_record_is_held_is_busy_until_it_ends(
+    store: Store, clock: FakeClock
+) -> None:
+    first = FencedWrite("r", "j", 1, hold=30)
+    assert await store.admit(first) == Admit(raise_to=1)
+    busy = await store.admit(FencedWrite("r", "j", 2))
+    assert isinstance(busy, Busy)
+    assert (busy.unknown, busy.retry_after) == (False, pytest.approx(30, abs=1))
+    # A stale write is refused as stale even while the record is held.
+    assert (await store.admit(FencedWrite("r", "j", 0))).slug == "stale-generation"  # type: ignore[union-attr]
+    await store.end_turn(first, unknown_for=10)
+    busy = await store.admit(FencedWrite("r", "j", 2))
+    assert isinstance(busy, Busy)
+    assert (busy.unknown, busy.retry_after) == (True, pytest.approx(10, abs=1))
+    clock.advance(11)
+    assert await store.admit(FencedWrite("r", "j", 2)) == Admit(raise_to=2)
+    assert await store.generation("j") == 2
+
+
+async def test_racing_writers_on_two_stores_never_lower_the_fence_nor_reorder(
+    postgres: PostgresServer,
+) -> None:
+    """Two proxies' stores on one database, 200 writes of one job with random
+    generations: the admitted ones, in the order their records were held, never go
+    down, and the fence ends at the highest admitted."""
+    url = postgres.url("fenceproxy")
+    await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
+    stores = [await open_store(url, key_ttl=60) for _ in range(2)]
+    rng = random.Random(3)
+    admitted: list[int] = []
+
+    async def one(n: int, wave: int) -> None:
+        store = stores[n % 2]
+        write = FencedWrite("r", "hot", wave * 5 + rng.randint(0, 9), hold=10)
+        while isinstance(decision := await store.admit(write), Busy):
+            await asyncio.sleep(0.001)
+        if isinstance(decision, Admit):
+            admitted.append(write.generation)
+            await asyncio.sleep(0)  # as if forwarding
+            await store.end_turn(write)
+
+    try:
+        for wave in range(20):  # rising on the whole, racing within a wave
+            await asyncio.gather(*(one(n, wave) for n in range(10)))
+        assert admitted == sorted(admitted)
+        assert await stores[0].generation("hot") == admitted[-1]
+        assert len(admitted) >= 20
+    finally:
+        for store in stores:
+            await store.close()
+
+
+# -- schemas and migrations -----------------------------------------------------------
+
+V3_FILE = [
+    "CREATE TABLE fences (job TEXT PRIMARY KEY, generation INTEGER NOT NULL,"
+    " updated_at REAL NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE idempotency_keys (route TEXT NOT NULL, job TEXT NOT NULL, key TEXT NOT NULL,"
+    " state TEXT NOT NULL, fingerprint BLOB NOT NULL, generation INTEGER NOT NULL,"
+    " status INTEGER, headers TEXT, body BLOB, created_at REAL NOT NULL,"
+    " expires_at REAL NOT NULL, PRIMARY KEY (route, job, key)) WITHOUT ROWID",
+    "CREATE TABLE leases (job TEXT PRIMARY KEY, owner TEXT NOT NULL,"
+    " generation INTEGER NOT NULL, lease_until REAL NOT NULL, ttl REAL NOT NULL,"
+    " state TEXT NOT NULL, updated_at REAL NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID",
+    "INSERT INTO fences VALUES ('j', 7, 0)",
+    "INSERT INTO idempotency_keys VALUES ('r', 'j', 'k', 'in_flight', x'6b', 7, NULL, NULL,"
+    " NULL, 0, 1e12)",
+    "INSERT INTO meta VALUES ('running', 1)",
+    "PRAGMA user_version = 3",
+]
+
+
+def write_config(directory: Path, store: str) -> Path:
+    path = directory / "fenceproxy.yaml"
+    path.write_text(
+        f"store: '{store}'\nroutes:\n  - {{name: r, path: /r, upstream: 'http://127.0.0.1:9'}}\n"
+    )
+    return path
+
+
+async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "old.db"
+    with closing(sqlite3.connect(path)) as conn:
+        for statement in V3_FILE:
+            conn.execute(statement)
+        conn.commit()
+    with pytest.raises(StoreError, match="run: fenceproxy migrate -c FILE"):
+        await SQLiteStore.open(path)
+    config = write_config(tmp_path, f"sqlite:///{path}")
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    assert f"SQLite file {path}: schema version 3 -> 4" in capsys.readouterr().out
+    store = await SQLiteStore.open(path)
+    try:
+        assert await store.generation("j") == 7
+        retry = keyed("j", 7, "k")
+        decision = await store.admit(retry)
+        # Left in flight by a proxy of the old version: no record ties it to a write.
+        assert decision.slug == "duplicate-outcome-unknown"  # type: ignore[union-attr]
+    finally:
+        await store.close()
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    assert "schema version 4, up to date" in capsys.readouterr().out
+
+
+async def test_a_new_sqlite_file_is_created_at_the_current_version(tmp_path: Path) -> None:
+    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 4)
+    store = await SQLiteStore.open(tmp_path / "b.db")  # serve needs no migrate step
+    await store.close()
+    with closing(sqlite3.connect(tmp_path / "b.db")) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+async def test_a_newer_sqlite_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    await SQLiteStore.migrate(path)
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    for attempt in (SQLiteStore.open(path), SQLiteStore.migrate(path)):
+        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 4"):
+            await attempt
+
+
+async def test_postgres_must_be_migrated_before_it_serves(
+    fresh_postgres: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(StoreError, match="is not migrated: run fenceproxy migrate -c FILE"):
+        await PostgresStore.open(fresh_postgres)
+    config = write_config(tmp_path, fresh_postgres)
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    assert "schema version 0 -> 1" in capsys.readouterr().out
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    assert "schema version 1, up to date" in capsys.readouterr().out
+    store = await PostgresStore.open(fresh_postgres)
+    await store.close()
+    await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 1"):
+        await PostgresStore.open(fresh_postgres)
+
+
+async def test_two_migrations_at_once_take_turns(fresh_postgres: str) -> None:
+    results = await asyncio.gather(*(PostgresStore.migrate(fresh_postgres) for _ in range(4)))
+    assert sorted(results) == [(0, 1), (1, 1), (1, 1), (1, 1)]
+
+
+async def test_an_unreachable_postgres_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(
+        StoreError, match=r"cannot connect to the PostgreSQL store 127\.0\.0\.1:9/x"
+    ):
+        await PostgresStore.open("postgresql://u@127.0.0.1:9/x", connect_timeout=2)
+    config = write_config(tmp_path, "postgresql://u@127.0.0.1:9/x")
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot connect to the PostgreSQL store 127.0.0.1:9/x" in err
+    assert "Traceback" not in err
+
+
+async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fence(
+    postgres: PostgresServer,
+) -> None:
+    """A claim computes its generation from the fence it read; an admission on another
+    proxy may raise the fence meanwhile. Whatever order they commit in, the fence
+    never goes down: the statement that raises it only ever raises it."""
+    from fenceproxy import leasing
+
+    url = postgres.url("fenceproxy")
+    await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
+    admitting, claiming = await open_store(url, key_ttl=60), await open_store(url, key_ttl=60)
+    try:
+
+        async def race(job: str) -> None:
+            await asyncio.gather(
+                admitting.admit(FencedWrite("r", job, 100)),
+                claiming.change_lease(
+                    job, lambda cur, fence, now: leasing.claim(cur, fence, job, "w", 5.0, now)
+                ),
+            )
+
+        jobs = [f"job-{n}" for n in range(60)]
+        await asyncio.gather(*(race(job) for job in jobs))
+        assert [await admitting.generation(job) for job in jobs] == [
+            max(100, lease.generation)  # type: ignore[union-attr]
+            for lease, _ in [await claiming.lease(job) for job in jobs]
+        ]
+    finally:
+        await admitting.close()
+        await claiming.close()
