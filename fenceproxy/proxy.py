@@ -410,17 +410,18 @@ class Proxy:
     async def _end_turn(self, write: FencedWrite, route: Route, *, unknown: bool) -> None:
         """Give the job's in-flight record back, or keep it for the route's quarantine
         when the write's outcome is unknown. Survives cancellation. If the store fails,
-        the record stays until it expires: the job waits longer, nothing worse."""
+        the record stays (the job waits, nothing worse) and clearing it is retried."""
         if unknown and route.quarantine > 0:
             proxy_log.warning(
                 "job %r held for %.1fs: a write's outcome is unknown", write.job, route.quarantine
             )
+        unknown_for = route.quarantine if unknown else None
         try:
-            await _shielded(
-                self._store.end_turn(write, unknown_for=route.quarantine if unknown else None)
-            )
+            await _shielded(self._store.end_turn(write, unknown_for=unknown_for))
         except StoreError as exc:
+            # Until it is cleared, the record holds the job: retried in the background.
             proxy_log.error("could not clear job %r's in-flight record: %s", write.job, exc)
+            self._retry_later(lambda: self._store.end_turn(write, unknown_for=unknown_for))
 
     async def _settle(self, write: FencedWrite, outcome: _Outcome) -> None:
         """Record what became of a keyed write: its answer, unknown, or not sent
@@ -434,22 +435,31 @@ class Proxy:
         except StoreError as exc:
             proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
             self._keys[slot] = _record(write.fingerprint, outcome)
-            task = asyncio.create_task(self._settle_later(write, outcome))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._retry_later(
+                lambda: self._store_settlement(write, outcome),
+                lambda: self._keys.pop(slot, None),
+            )
         else:
             self._keys.pop(slot, None)
 
-    async def _settle_later(self, write: FencedWrite, outcome: _Outcome) -> None:
-        assert write.key is not None
-        while True:
-            await asyncio.sleep(_SETTLE_RETRY)
-            try:
-                await self._store_settlement(write, outcome)
-            except StoreError:
-                continue
-            self._keys.pop((write.route, write.job, write.key), None)
-            return
+    def _retry_later(
+        self, attempt: Callable[[], Awaitable[None]], then: Callable[[], object] = lambda: None
+    ) -> None:
+        """Retry a store write every second in the background until it succeeds."""
+
+        async def retry() -> None:
+            while True:
+                await asyncio.sleep(_SETTLE_RETRY)
+                try:
+                    await attempt()
+                except StoreError:
+                    continue
+                then()
+                return
+
+        task = asyncio.create_task(retry())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _store_settlement(self, write: FencedWrite, outcome: _Outcome) -> Awaitable[None]:
         if isinstance(outcome, StoredResponse):

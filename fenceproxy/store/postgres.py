@@ -41,6 +41,16 @@ from .base import LeaseChange, Store, key_record, lease_record
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
 T = TypeVar("T")
+# What the driver and the network raise when the database fails, refuses, or goes
+# away mid-operation (a lost connection can leave the protocol in an internal error).
+_DRIVER_ERRORS = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+)
+
 if TYPE_CHECKING:  # subscriptable in the type stubs only
     from asyncpg.pool import PoolConnectionProxy
 
@@ -200,12 +210,12 @@ class PostgresStore(Store):
                 timeout=connect_timeout,
                 command_timeout=connect_timeout * 2,
             )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise StoreError(f"cannot connect to the PostgreSQL store {where}: {exc}") from exc
         try:
             async with pool.acquire() as conn:
                 version = await _schema_version(conn)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _DRIVER_ERRORS as exc:
             await pool.close()
             raise StoreError(f"cannot read the PostgreSQL store {where}: {exc}") from exc
         if version != SCHEMA_VERSION:
@@ -223,7 +233,7 @@ class PostgresStore(Store):
         where = _where(dsn)
         try:
             conn = await asyncpg.connect(dsn, password=password, timeout=connect_timeout)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise StoreError(f"cannot connect to the PostgreSQL store {where}: {exc}") from exc
         try:
             async with conn.transaction():
@@ -241,7 +251,7 @@ class PostgresStore(Store):
                 await conn.execute(
                     f"INSERT INTO {_VERSION_TABLE} (version) VALUES ($1)", SCHEMA_VERSION
                 )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise StoreError(f"migrating the PostgreSQL store {where} failed: {exc}") from exc
         finally:
             await conn.close()
@@ -427,7 +437,7 @@ class PostgresStore(Store):
                         return await work(conn)
                 except _Undo as undo:
                     return undo.outcome  # type: ignore[no-any-return]
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _DRIVER_ERRORS as exc:
             store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
             raise StoreError(f"PostgreSQL store failed: {type(exc).__name__}: {exc}") from exc
 
