@@ -17,6 +17,7 @@ from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
 
 from .broken_fence import BACKENDS, decide_ignoring_generations
+from .postgres import PostgresServer
 
 # The deliberately broken build: fenceproxy with a store that admits stale writes.
 BROKEN_PROXY = (sys.executable, str(Path(__file__).with_name("broken_fence.py")))
@@ -40,6 +41,22 @@ async def test_short_run_with_every_fault_has_no_violation() -> None:
     assert c["duplicates"] >= 1, out.getvalue()
     assert c["stale"] >= 1, out.getvalue()  # stale writes did reach the proxy
     assert c["leases lost"] > c["stalls"], out.getvalue()  # SIGSTOPs cost leases too
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_two_proxies_on_postgres_killed_independently_have_no_violation(
+    postgres: PostgresServer,
+) -> None:
+    out = io.StringIO()
+    opts = ChaosOptions(**{**SHORT.__dict__, "store": postgres.url("fenceproxy"), "proxies": 2})
+    report = await run_chaos(opts, out)
+    assert report.violations == [], out.getvalue()
+    c = report.counts
+    assert c["crashes"] >= 1, out.getvalue()
+    assert c["forwarded"] > 20, out.getvalue()
+    assert c["stale"] >= 1, out.getvalue()
+    assert "2 proxies on PostgreSQL database" in out.getvalue()
 
 
 @pytest.mark.slow

@@ -578,3 +578,43 @@ def test_the_example_configs_are_valid() -> None:
     assert examples
     for example in examples:
         assert load_config(example).routes
+
+
+@pytest.mark.parametrize(
+    ("value", "dsn", "pool", "password_env"),
+    [
+        ("postgresql://fp@db:5432/fences", "postgresql://fp@db:5432/fences", 10, None),
+        ("postgres://fp@db/fences?pool=3", "postgresql://fp@db/fences", 3, None),
+        (
+            "postgresql://fp@db/f?password_env=FP_PW&sslmode=require",
+            "postgresql://fp@db/f?sslmode=require",
+            10,
+            "FP_PW",
+        ),
+    ],
+)
+def test_postgres_store_urls(value: str, dsn: str, pool: int, password_env: str | None) -> None:
+    url = parse_store_url(value)
+    assert (url.backend, url.dsn, url.pool, url.password_env) == (
+        "postgresql",
+        dsn,
+        pool,
+        password_env,
+    )
+    assert "PostgreSQL database db" in url.describe()
+
+
+@pytest.mark.parametrize(
+    ("value", "phrase"),
+    [
+        ("postgresql://fp:secret@db/f", "must not be written into the config"),
+        ("postgresql://fp@db/f?pool=0", "?pool= takes a number"),
+        ("postgresql://fp@db/f?password_env=1-x", "?password_env= takes the name"),
+        ("postgresql://fp@db", "expected sqlite:///PATH"),
+    ],
+)
+def test_bad_postgres_store_urls_are_config_errors(tmp_path: Path, value: str, phrase: str) -> None:
+    path = write(tmp_path, f"store: '{value}'\n" + one_route())
+    message = config_error(path)
+    assert_names(message, path, "store", phrase)
+    assert "secret" not in message

@@ -1,7 +1,8 @@
 """Fault injection: real processes on loopback, broken on purpose, then checked.
 
-``fenceproxy chaos`` (or ``python -m fenceproxy.chaos``) starts the proxy with its
-lease API on a SQLite store, a recording upstream with a durable ledger
+``fenceproxy chaos`` (or ``python -m fenceproxy.chaos``) starts one proxy or several
+(``--proxies``), with their lease API, on a SQLite store or on a PostgreSQL database
+that they share (``--store``), a recording upstream with a durable ledger
 (:mod:`.ledger`) and N worker processes (:mod:`.worker`), injects the faults
 switched on, then checks the invariants (:mod:`.checker`) and prints one table.
 It exits 1 on any violation (with ``--expect-violations``, 1 when there is none: for
@@ -15,7 +16,7 @@ Faults (``--faults``, all by default):
     stall    a worker's event loop blocked past its lease before a write
     sigstop  SIGSTOP of a worker process past its lease, then SIGCONT
     clock    each worker's wall clock off by up to an hour either way (nothing may use it)
-    crash    kill -9 of the proxy at random moments, restarted on the same store
+    crash    kill -9 of a proxy at random moments, restarted on the same store
     slow     the upstream applies some writes only after the proxy's timeout
     drop     the upstream drops connections, half of them after applying
     error    the upstream answers some writes 503
@@ -42,6 +43,8 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from ..config import parse_store_url
+from ..store import migrate_store
 from ..testing import ProxyProcess, free_port
 from .checker import Report, check
 
@@ -63,6 +66,9 @@ class ChaosOptions:
     faults: frozenset[str] = frozenset(FAULTS)
     proxy_command: tuple[str, ...] = (sys.executable, "-m", "fenceproxy")
     """What runs the proxy; ``serve -c FILE --listen ...`` is appended."""
+    store: str | None = None
+    """A PostgreSQL URL the proxies share; None for a new SQLite file (one proxy)."""
+    proxies: int = 1
     keep: Path | None = None
 
 
@@ -73,6 +79,8 @@ class _Run:
     rng: random.Random
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
     report_counts: dict[str, int] = field(default_factory=lambda: {"crashes": 0, "sigstops": 0})
+    job_prefix: str = field(default_factory=lambda: f"{random.getrandbits(32):08x}-")
+    """Jobs are named apart per run: a shared database may hold an earlier run's."""
 
 
 async def run_chaos(opts: ChaosOptions, out: TextIO = sys.stdout) -> Report:
@@ -101,29 +109,38 @@ async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
         ledger = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fenceproxy.chaos.ledger", *ledger_argv, stdout=log, stderr=log
         )
+    if opts.proxies > 1 and opts.store is None:
+        raise ValueError("several proxies need a shared store: give --store postgresql://...")
+    store = opts.store or f"sqlite:///{directory / 'fenceproxy.db'}"
+    await migrate_store(store)
     config = directory / "fenceproxy.yaml"
     config.write_text(
-        f"store: sqlite:///{directory / 'fenceproxy.db'}\n"
+        f"store: '{store}'\n"
         f"leases: {{default_ttl: {_TTL}, min_ttl: 0.1}}\n"
         "shutdown_timeout: 5s\n"
         "routes:\n"
         f"  - name: ledger\n    path: /ledger/\n    upstream: http://127.0.0.1:{ledger_port}\n"
         f"    timeout: {_PROXY_TIMEOUT}\n    quarantine: {_QUARANTINE}\n"
     )
-    proxy = ProxyProcess(
-        config,
-        proxy_port,
-        "--log-level",
-        "WARNING",
-        log=directory / "proxy.log",
-        command=opts.proxy_command,
-    )
+    proxies = [
+        ProxyProcess(
+            config,
+            proxy_port if n == 0 else free_port(),
+            "--log-level",
+            "WARNING",
+            log=directory / f"proxy{n}.log",
+            command=opts.proxy_command,
+        )
+        for n in range(opts.proxies)
+    ]
     try:
         await _wait_port(ledger_port)
-        await proxy.start()
+        for proxy in proxies:
+            await proxy.start()
         print(
             f"chaos: seed {opts.seed}, {opts.duration:g}s, {opts.workers} workers on "
-            f"{opts.jobs} jobs, faults: {', '.join(sorted(f)) or 'none'}"
+            f"{opts.jobs} jobs, {opts.proxies} prox{'y' if opts.proxies == 1 else 'ies'} "
+            f"on {parse_store_url(store).describe()}, faults: {', '.join(sorted(f)) or 'none'}"
             + (
                 f", proxy: {shlex.join(opts.proxy_command)}"
                 if opts.proxy_command != ChaosOptions.proxy_command
@@ -132,18 +149,19 @@ async def _run_in(opts: ChaosOptions, directory: Path, out: TextIO) -> Report:
             file=out,
         )
         for n in range(opts.workers):
-            run.workers.append(await _start_worker(run, n, proxy.url))
-        proxy = await _inject(run, proxy)
+            run.workers.append(await _start_worker(run, n, proxies[n % len(proxies)].url))
+        await _inject(run, proxies)
         for worker in run.workers:
             with contextlib.suppress(ProcessLookupError):
                 worker.send_signal(signal.SIGCONT)
         await asyncio.wait_for(asyncio.gather(*(w.wait() for w in run.workers)), opts.duration + 60)
-        leases = await _final_leases(proxy.url, directory)
+        leases = await _final_leases(proxies[0].url, directory)
     finally:
         for worker in run.workers:
             with contextlib.suppress(ProcessLookupError):
                 worker.kill()
-        await proxy.stop()
+        for proxy in proxies:
+            await proxy.stop()
         with contextlib.suppress(ProcessLookupError):
             ledger.kill()
         await ledger.wait()
@@ -170,6 +188,7 @@ async def _start_worker(run: _Run, n: int, url: str) -> asyncio.subprocess.Proce
         "--jobs", str(run.opts.jobs), "--duration", str(run.opts.duration),
         "--ttl", str(_TTL), "--seed", str(run.opts.seed * 1000 + n),
         "--clock-offset", str(offset),
+        "--job-prefix", run.job_prefix,
         "--stall", "0.1" if "stall" in f else "0",
         "--dup", "0.3" if "dup" in f else "0",
     ]  # fmt: skip
@@ -179,8 +198,8 @@ async def _start_worker(run: _Run, n: int, url: str) -> asyncio.subprocess.Proce
         )
 
 
-async def _inject(run: _Run, proxy: ProxyProcess) -> ProxyProcess:
-    """Inject process faults until the workers' time is up; returns the live proxy."""
+async def _inject(run: _Run, proxies: list[ProxyProcess]) -> None:
+    """Inject process faults until the workers' time is up."""
     f, rng = run.opts.faults, run.rng
     kinds = [k for k in ("sigstop", "crash") if k in f]
     loop = asyncio.get_running_loop()
@@ -212,12 +231,12 @@ async def _inject(run: _Run, proxy: ProxyProcess) -> ProxyProcess:
                 pause = _TTL * rng.uniform(1.5, 3)
                 resumes.append(asyncio.create_task(_resume(worker, pause, stopped, n)))
         else:
+            proxy = rng.choice(proxies)
             proxy.signal(signal.SIGKILL)
             await proxy.wait()
             run.report_counts["crashes"] += 1
-            proxy = await proxy.restart()
+            await proxy.restart()
     await asyncio.gather(*resumes)
-    return proxy
 
 
 async def _resume(
@@ -295,6 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="exit 0 only if the checker reports a violation (for a broken --proxy-command)",
     )
+    parser.add_argument(
+        "--store",
+        help="a PostgreSQL URL for the proxies to share (migrated first); default: a new "
+        "SQLite file",
+    )
+    parser.add_argument("--proxies", type=int, default=1, help="proxies on the one store")
     parser.add_argument("--keep", type=Path, help="keep the histories and ledger in this folder")
     args = parser.parse_args(argv)
     faults = frozenset() if args.faults == "none" else frozenset(args.faults.split(","))
@@ -312,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else ChaosOptions.proxy_command
         ),
         keep=args.keep,
+        store=args.store,
+        proxies=args.proxies,
     )
     try:
         report = asyncio.run(_until_terminated(run_chaos(opts)))

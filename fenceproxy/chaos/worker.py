@@ -59,7 +59,7 @@ class _Worker:
         ):
             while time.monotonic() < end:
                 slot = self.rng.randrange(a.jobs)
-                job = f"job-{slot}-{self._rounds[slot]}"
+                job = f"{a.job_prefix}job-{slot}-{self._rounds[slot]}"
                 try:
                     await self._hold(http, leases, slot, job)
                 except LeaseRefused as refused:
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--history", required=True)
     parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--job-prefix", default="", help="names this run's jobs apart")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--ttl", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
