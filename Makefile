@@ -11,6 +11,11 @@ DURATION ?= 300
 WORKERS  ?= 8
 JOBS     ?= 3
 SEED     ?= 1
+# A PostgreSQL URL to run several proxies on: make chaos STORE=postgresql://... PROXIES=2
+STORE    ?=
+PROXIES  ?= 1
+CHAOS    = $(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) \
+	--seed $(SEED) --proxies $(PROXIES) $(if $(STORE),--store '$(STORE)')
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,9 +60,8 @@ servers:
 
 ## Every fault on, for DURATION seconds, then the same run against a broken build.
 chaos: $(STAMP)
-	$(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) --seed $(SEED)
-	$(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) --seed $(SEED) \
-		--proxy-command "$(BIN)/python tests/broken_fence.py" --expect-violations
+	$(CHAOS)
+	$(CHAOS) --proxy-command "$(BIN)/python tests/broken_fence.py" --expect-violations
 
 ## Known vulnerabilities in the installed dependencies fail the build. Needs PyPI's
 ## JSON API; --strict fails rather than passing when a dependency cannot be audited.

@@ -152,7 +152,8 @@ class Proxy:
         # Keyed writes of this process from arrival until the store has their final
         # state: a duplicate is answered at once rather than queued behind the
         # original, and a state the store could not take yet is still honoured.
-        # Only ever makes a refusal: the store holds the truth for every proxy.
+        # Only ever refuses or replays, never admits: the store holds the truth for every
+        # proxy, and another proxy reading a key this one could not settle refuses it.
         self._keys: dict[_Slot, KeyRecord] = {}
         self._background: set[asyncio.Task[None]] = set()
 

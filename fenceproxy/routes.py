@@ -128,12 +128,11 @@ class Route:
 class Router:
     """The longest matching route path wins; a path no route matches has no route."""
 
-    __slots__ = ("_routes", "longest_quarantine")
+    __slots__ = ("_routes",)
 
     def __init__(self, specs: Iterable[RouteSpec]) -> None:
         routes = [Route.compile(spec) for spec in specs]
         self._routes = tuple(sorted(routes, key=lambda r: len(r.path), reverse=True))
-        self.longest_quarantine = max((r.quarantine for r in routes if r.fence), default=0.0)
 
     def __iter__(self) -> Iterator[Route]:
         return iter(self._routes)

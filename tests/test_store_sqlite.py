@@ -4,13 +4,16 @@ grouped commits, expiry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from fenceproxy.errors import StaleGeneration, StoreError, StoreLocked
 from fenceproxy.fencing import Admit, FencedWrite, KeyState, Replay, StoredResponse
 from fenceproxy.store import SQLiteStore
+from fenceproxy.store import sqlite as sqlite_store
 from fenceproxy.testing import FakeClock
 
 
@@ -153,5 +156,48 @@ async def test_concurrent_writes_of_many_jobs_share_commits(store_path: Path) ->
     store = await SQLiteStore.open(store_path)
     try:
         assert [await store.generation(f"j{n}") for n in range(50)] == [5] * 50
+    finally:
+        await store.close()
+
+
+async def test_work_waiting_on_a_writer_that_stopped_fails_at_once(store_path: Path) -> None:
+    store = await SQLiteStore.open(store_path)
+    try:
+        store._writer.cancel()  # as when the event loop shuts down under it
+        with contextlib.suppress(asyncio.CancelledError):
+            await store._writer
+        async with asyncio.timeout(5):
+            with pytest.raises(StoreError):
+                await store.admit(FencedWrite("r", "j", 1))
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(("option", "expected"), [("full", 2), ("normal", 1)])
+async def test_the_durability_setting_is_the_one_asked_for(
+    store_path: Path, option: Literal["full", "normal"], expected: int
+) -> None:
+    store = await SQLiteStore.open(store_path, synchronous=option)
+    try:
+        rows = await store._conn.execute_fetchall("PRAGMA synchronous")
+        assert list(rows) == [(expected,)]
+        rows = await store._conn.execute_fetchall("PRAGMA journal_mode")
+        assert list(rows) == [("wal",)]
+    finally:
+        await store.close()
+
+
+async def test_the_fence_cache_stays_bounded(
+    store_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_store, "_FENCE_CACHE_MAX", 10)
+    store = await SQLiteStore.open(store_path)
+    try:
+        for n in range(25):
+            write = FencedWrite("r", f"j{n}", 1)
+            await store.admit(write)
+            await store.end_turn(write)
+            assert len(store._fences) <= 11
+        assert await store.generation("j3") == 1  # evicted, read again from the file
     finally:
         await store.close()

@@ -7,8 +7,8 @@ what became of a keyed write; per job its lease. Every decision is taken inside 
 transaction by :func:`fenceproxy.fencing.decide`, and committed before the proxy
 forwards anything. Whatever the guarantees rest on lives here, not in a proxy's
 memory: a proxy's own caches (the SQLite store's fences, the proxy's key records)
-are either authoritative because one process owns the store, or only ever make a
-refusal, never an admission.
+are either authoritative because one process owns the store, or only ever refuse
+or replay, never admit.
 
 Backends: :mod:`.sqlite` (one proxy process per file) and :mod:`.postgres` (any
 number of proxies on one database).

@@ -327,7 +327,8 @@ class SQLiteStore(Store):
         self._wake.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self._purger
-        await self._writer
+        if not self._writer.done():  # one that stopped already has nothing to finish
+            await self._writer
         await self._conn.close()
 
     # -- grouped commits ------------------------------------------------------
