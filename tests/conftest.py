@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
@@ -20,7 +19,7 @@ from fenceproxy.store import PostgresStore, Store
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .nginx import NGINX, Nginx
-from .postgres import PostgresServer, postgres_bin
+from .postgres import PostgresServer, postgres_bin, sql
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -58,24 +57,12 @@ def postgres() -> Iterator[PostgresServer]:
     directory = Path(tempfile.mkdtemp(prefix="fenceproxy-postgres-"))
     server = PostgresServer(directory, bin_dir).init().start()
     try:
-        _sql(server.url(), "CREATE DATABASE fenceproxy")
+        asyncio.run(sql(server.url(), "CREATE DATABASE fenceproxy"))
         asyncio.run(PostgresStore.migrate(server.url("fenceproxy")))
         yield server
     finally:
         server.stop("immediate")
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _sql(url: str, *statements: str) -> None:
-    async def run() -> None:
-        conn = await asyncpg.connect(url)
-        try:
-            for statement in statements:
-                await conn.execute(statement)
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -86,7 +73,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'fences.db'}"
     server: PostgresServer = request.getfixturevalue("postgres")
     url = server.url("fenceproxy")
-    _sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
+    asyncio.run(sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight"))
     return url
 
 

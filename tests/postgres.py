@@ -16,7 +16,19 @@ import socket
 import subprocess
 from pathlib import Path
 
-__all__ = ["PostgresServer", "postgres_bin"]
+import asyncpg
+
+__all__ = ["PostgresServer", "postgres_bin", "sql"]
+
+
+async def sql(url: str, *statements: str) -> None:
+    """Run ``statements`` on the database at ``url``, one after another."""
+    conn = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
 
 
 def postgres_bin() -> Path | None:

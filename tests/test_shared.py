@@ -16,8 +16,7 @@ from aiohttp import web
 
 from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, free_port
 
-from .postgres import PostgresServer
-from .test_store import sql
+from .postgres import PostgresServer, sql
 
 pytestmark = pytest.mark.slow
 

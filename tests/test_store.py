@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from fenceproxy import cli
@@ -20,7 +19,7 @@ from fenceproxy.fencing import Admit, Busy, FencedWrite
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.testing import FakeClock
 
-from .postgres import PostgresServer
+from .postgres import PostgresServer, sql
 
 SQLITE_TRIGGER = (
     "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys WHEN NEW.key = 'boom'"
@@ -32,15 +31,6 @@ POSTGRES_TRIGGER = [
     " RETURN NEW; END $$",
     "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION boom()",
 ]
-
-
-async def sql(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(url)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture

@@ -27,7 +27,15 @@ from ..errors import Refusal
 from ..fencing import Admit, Busy, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse
 from ..leasing import Lease, LeaseState
 
-__all__ = ["JobLocks", "LeaseChange", "Store", "key_record", "lease_record"]
+__all__ = [
+    "JobLocks",
+    "LeaseChange",
+    "Store",
+    "key_record",
+    "key_row",
+    "lease_record",
+    "lease_row",
+]
 
 LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
 """A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
@@ -183,3 +191,32 @@ def key_record(row: Any) -> KeyRecord | None:
     elif state == KeyState.IN_FLIGHT and not live:
         state = KeyState.UNKNOWN
     return KeyRecord(state=KeyState(state), fingerprint=bytes(fp), response=response)
+
+
+def key_row(write: FencedWrite, now: float, ttl: float) -> tuple[Any, ...]:
+    """A key going in flight, as the columns ``(route, job, key, fingerprint,
+    generation, holder, created_at, expires_at)``."""
+    return (
+        write.route,
+        write.job,
+        write.key,
+        write.fingerprint,
+        write.generation,
+        write.turn,
+        now,
+        now + ttl,
+    )
+
+
+def lease_row(lease: Lease, now: float) -> tuple[Any, ...]:
+    """A lease as the columns ``(job, owner, generation, lease_until, ttl, state,
+    updated_at)``."""
+    return (
+        lease.job_id,
+        lease.owner,
+        lease.generation,
+        lease.lease_until,
+        lease.ttl,
+        lease.state.value,
+        now,
+    )

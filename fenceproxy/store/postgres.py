@@ -36,7 +36,7 @@ from ..errors import Refusal, StoreError
 from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
 from ..leasing import Lease
 from ..log import store_log
-from .base import LeaseChange, Store, key_record, lease_record
+from .base import LeaseChange, Store, key_record, key_row, lease_record, lease_row
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -292,14 +292,7 @@ class PostgresStore(Store):
                     " fingerprint = excluded.fingerprint, generation = excluded.generation,"
                     " holder = excluded.holder, status = NULL, headers = NULL, body = NULL,"
                     " created_at = excluded.created_at, expires_at = excluded.expires_at",
-                    write.route,
-                    write.job,
-                    write.key,
-                    write.fingerprint,
-                    write.generation,
-                    write.turn,
-                    now,
-                    now + self._key_ttl,
+                    *key_row(write, now, self._key_ttl),
                 )
             return decision
 
@@ -371,13 +364,7 @@ class PostgresStore(Store):
                     " ON CONFLICT (job) DO UPDATE SET owner = excluded.owner,"
                     " generation = excluded.generation, lease_until = excluded.lease_until,"
                     " ttl = excluded.ttl, state = excluded.state, updated_at = excluded.updated_at",
-                    job,
-                    result.owner,
-                    result.generation,
-                    result.lease_until,
-                    result.ttl,
-                    result.state.value,
-                    now,
+                    *lease_row(result, now),
                 )
                 await conn.execute(_RAISE_FENCE, job, result.generation, now)
             return result, float(now)

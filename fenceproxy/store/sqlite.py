@@ -37,7 +37,7 @@ from ..errors import Refusal, StoreError, StoreLocked
 from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
 from ..leasing import Lease
 from ..log import store_log
-from .base import LeaseChange, Store, key_record, lease_record
+from .base import LeaseChange, Store, key_record, key_row, lease_record, lease_row
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -216,16 +216,7 @@ class SQLiteStore(Store):
                     "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
                     " fingerprint, generation, holder, created_at, expires_at)"
                     " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?)",
-                    (
-                        write.route,
-                        write.job,
-                        write.key,
-                        write.fingerprint,
-                        write.generation,
-                        write.turn,
-                        now,
-                        now + self._key_ttl,
-                    ),
+                    key_row(write, now, self._key_ttl),
                 )
             return decision
 
@@ -283,15 +274,7 @@ class SQLiteStore(Store):
                 await tx.write(
                     "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
                     " state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        job,
-                        result.owner,
-                        result.generation,
-                        result.lease_until,
-                        result.ttl,
-                        result.state.value,
-                        now,
-                    ),
+                    lease_row(result, now),
                 )
                 if fence is None or result.generation > fence:
                     await tx.raise_fence(job, result.generation, now)
