@@ -14,9 +14,9 @@ A fenced write goes through these steps:
    first served);
 3. the store decides, and commits the new fence, the key's *in flight* mark and
    the job's *in-flight record*, which says that this write may be at the upstream
-   until the route's ``timeout`` plus its ``quarantine`` have passed on the store's
-   clock; while another write (of any proxy) holds that record, this one polls for
-   up to the route's ``timeout``, then gets 503 ``job-quarantined``;
+   until the route's ``connect_timeout``, ``timeout`` and ``quarantine`` have passed
+   on the store's clock; while another write (of any proxy) holds that record, this
+   one polls for up to the route's ``timeout``, then gets 503 ``job-quarantined``;
 4. it is forwarded; once the upstream has answered, the record is cleared and the
    job's next write may go;
 5. for a keyed write, the answer is committed under the key *before* it is sent
@@ -56,6 +56,7 @@ from .errors import (
     StoreUnavailable,
     UnsupportedFraming,
     UpstreamError,
+    UpstreamTimeout,
 )
 from .fencing import (
     Admit,
@@ -257,7 +258,7 @@ class Proxy:
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
         body = await _read_limited(request, route)
 
-        hold = route.timeout + route.quarantine + _TURN_SLACK
+        hold = _in_flight_for(route) + route.quarantine + _TURN_SLACK
         if key is None:
             write = FencedWrite(route.name, job, generation, hold=hold)
             return await self._forward_fenced(request, route, target, write, headers, body)
@@ -321,9 +322,15 @@ class Proxy:
                     outcome = "unknown"  # from here on the write may reach the upstream
                     in_doubt = True
                     try:
-                        upstream = await self._upstreams.send(
-                            route, request.method, target, headers, body
-                        )
+                        # Bounded as a whole, so the write cannot outlive its record.
+                        async with asyncio.timeout(_in_flight_for(route)):
+                            upstream = await self._upstreams.send(
+                                route, request.method, target, headers, body
+                            )
+                    except TimeoutError:
+                        raise UpstreamTimeout(
+                            "the upstream did not answer in time; it may have applied the write"
+                        ) from None
                     except UpstreamError as exc:
                         if not exc.sent:
                             outcome = "not-sent"
@@ -468,6 +475,12 @@ class Proxy:
         if outcome == "unknown":
             return self._store.mark_unknown(write)
         return self._store.forget_key(write)
+
+
+def _in_flight_for(route: Route) -> float:
+    """The longest a fenced write may take from its send to the upstream's answer:
+    connecting, sending the body, waiting. The job's in-flight record covers it."""
+    return route.connect_timeout + route.timeout
 
 
 def _underscored(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:

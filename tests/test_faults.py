@@ -160,3 +160,51 @@ async def test_cancelled_admission_releases_the_key(
             await problem(retry, 409, "duplicate-in-flight")
             await asyncio.sleep(0.05)
     assert len(upstream.received) == 1
+
+
+async def test_an_upstream_that_trickles_its_answer_is_cut_off_within_the_record(
+    start_proxy: ProxyFactory,
+) -> None:
+    """sock_read alone never fires on an answer that arrives a byte at a time; the
+    whole send is bounded by connect_timeout + timeout, which the job's in-flight
+    record covers, so the write cannot outlive its record."""
+    trickling: list[asyncio.Task[None]] = []
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        trickling.append(asyncio.ensure_future(trickle(reader, writer)))
+
+    server = await asyncio.start_server(connected, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    route = {
+        "name": "billing",
+        "path": "/billing/",
+        "upstream": f"http://127.0.0.1:{port}",
+        "timeout": "300ms",
+        "connect_timeout": "200ms",
+        "quarantine": "30s",
+    }
+    try:
+        proxy = await start_proxy([route])
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await problem(await fenced(proxy, "j", 1), 504, "upstream-timeout")
+        assert loop.time() - started < 2.0  # not the 5 s the trickle would take
+        await problem(await fenced(proxy, "j", 2), 503, "job-quarantined")
+    finally:
+        for task in trickling:
+            task.cancel()
+        await asyncio.gather(*trickling, return_exceptions=True)
+        server.close()
+        await server.wait_closed()
