@@ -20,7 +20,7 @@ CHAOS    = $(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) -
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,dev]'
+	$(BIN)/pip install --quiet -e '.[test,dev,fast]'
 	touch $(STAMP)
 
 ## The worked example on loopback with the embedded SQLite store.

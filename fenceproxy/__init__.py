@@ -7,7 +7,7 @@ their generations; :class:`LeaseClient` keeps a lease and stops a worker's work
 the moment it is lost.
 """
 
-from .app import make_app
+from .app import FenceProxy, serve
 from .client import LeaseClient
 from .config import Config, load_config
 from .errors import (
@@ -24,6 +24,7 @@ from .store import SQLiteStore, Store, open_store
 __all__ = [
     "Config",
     "ConfigError",
+    "FenceProxy",
     "FenceProxyError",
     "LeaseClient",
     "LeaseLost",
@@ -34,8 +35,8 @@ __all__ = [
     "Store",
     "StoreError",
     "load_config",
-    "make_app",
     "open_store",
+    "serve",
 ]
 
 __version__ = "0.1.0"

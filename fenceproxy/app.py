@@ -1,82 +1,170 @@
-"""``make_app``: the aiohttp application and its typed state."""
+"""``FenceProxy``: the proxy and its lease API behind one request handler, on
+aiohttp's low-level server, and ``serve`` to run it until a signal.
+
+The low-level server (``aiohttp.web.Server``) gives the handler each parsed request
+with no application router, middleware chain or per-request signals: the proxy
+matches its own routes, once, on the canonical path. That costs about a third less
+CPU per request than a ``web.Application`` with one catch-all route.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
 
 from aiohttp import web
 
-from .config import Config, parse_store_url
+from .config import Config, parse_listen, parse_store_url
+from .errors import Refusal
 from .lease_api import LeaseService
-from .proxy import Proxy, problem_middleware
+from .log import proxy_log
+from .proxy import Proxy, problem_response
 from .routes import Router
 from .store import Store, open_store
+from .target import canonical_path
 from .upstream import TrustedProxies, UpstreamPool
 
-__all__ = ["CONFIG_KEY", "PROXY_KEY", "STORE_KEY", "make_app"]
+__all__ = ["FenceProxy", "serve"]
 
-CONFIG_KEY = web.AppKey("config", Config)
-STORE_KEY = web.AppKey("store", Store)
-PROXY_KEY = web.AppKey("proxy", Proxy)
+# Limits of the request head; a request beyond them is refused by the server with 4xx.
+_SERVER_LIMITS: dict[str, Any] = {"max_headers": 100}
 
 
-def make_app(
-    config: Config,
-    *,
-    store: Store | None = None,
-    clock: Callable[[], float] = time.time,
-    monotonic: Callable[[], float] = time.monotonic,
-) -> web.Application:
-    """The proxy as an aiohttp application.
+class FenceProxy:
+    """The proxy of ``config``: its store, routes, upstream pools and lease API.
 
-    The store named in ``config`` is opened at start-up and closed at clean-up,
-    unless ``store`` is given, which the caller then owns. ``clock`` is the store's
-    wall clock (key expiry), ``monotonic`` the proxy's (quarantines). Start-up fails
-    with StoreError when the store cannot be opened.
+    ``async with FenceProxy(config) as proxy:`` opens the store named in ``config``
+    (unless ``store`` is given, which the caller then owns) and closes it on exit;
+    :meth:`handle` answers requests in between, :meth:`server` wraps it in an aiohttp
+    low-level server. ``clock`` is the store's wall clock. Opening fails with
+    StoreError when the store cannot be opened.
     """
-    # auto_decompress off: a compressed request body is forwarded as it came, with
-    # its Content-Encoding, never decoded on the way.
-    app = web.Application(
-        middlewares=[problem_middleware],
-        handler_args={"max_headers": 100, "auto_decompress": False},
-    )
-    app[CONFIG_KEY] = config
-    router = Router(config.routes)
-    leases = LeaseService(config.leases) if config.leases is not None else None
 
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        owned = store is None
-        opened = store or await open_store(
-            parse_store_url(config.store),
-            key_ttl=config.idempotency.ttl,
-            clock=clock,
+    def __init__(
+        self,
+        config: Config,
+        *,
+        store: Store | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self._given_store = store
+        self._clock = clock
+        self._router = Router(config.routes)
+        self._leases = LeaseService(config.leases) if config.leases is not None else None
+        self._lease_prefix = config.leases.prefix if config.leases is not None else None
+        self._store: Store | None = None
+        self._proxy: Proxy | None = None
+        self._upstreams: UpstreamPool | None = None
+
+    @property
+    def store(self) -> Store:
+        assert self._store is not None, "the proxy is not open"
+        return self._store
+
+    @property
+    def upstreams(self) -> UpstreamPool:
+        assert self._upstreams is not None, "the proxy is not open"
+        return self._upstreams
+
+    async def __aenter__(self) -> FenceProxy:
+        config = self.config
+        self._store = self._given_store or await open_store(
+            parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=self._clock
         )
-        upstreams = UpstreamPool(router)
-        app[STORE_KEY] = opened
-        if leases is not None:
-            leases.store = opened
-        app[PROXY_KEY] = proxy = Proxy(
-            router,
-            opened,
-            upstreams,
+        if self._leases is not None:
+            self._leases.store = self._store
+        self._upstreams = UpstreamPool(self._router)
+        self._proxy = Proxy(
+            self._router,
+            self._store,
+            self._upstreams,
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
-            monotonic=monotonic,
         )
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._proxy is not None:
+            await self._proxy.close()
+        if self._upstreams is not None:
+            await self._upstreams.close()
+        if self._store is not None and self._given_store is None:
+            await self._store.close()
+        self._proxy = self._upstreams = self._store = None
+
+    def server(self, **kwargs: Any) -> web.Server:
+        """An aiohttp low-level server for :meth:`handle`; ``kwargs`` go to it (for
+        example ``access_log``)."""
+        # auto_decompress off: a compressed request body is forwarded as it came, with
+        # its Content-Encoding, never decoded on the way.
+        return web.Server(self.handle, auto_decompress=False, **_SERVER_LIMITS, **kwargs)
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Answer one request: the lease API under its prefix, a route otherwise.
+        Refusals become RFC 9457 problem answers, each logged once."""
+        assert self._proxy is not None, "the proxy is not open"
         try:
-            yield
+            raw = request.rel_url.raw_path
+            prefix = self._lease_prefix
+            if prefix is not None and raw.startswith(prefix) and _under(raw, prefix):
+                # Nothing under the prefix is ever forwarded, so the lease API reads
+                # the path as sent: a job id may hold any character, `/` included.
+                assert self._leases is not None
+                return await self._leases.handle(request, raw)
+            return await self._proxy.handle(request, canonical_path(raw))
+        except Refusal as refusal:
+            if proxy_log.isEnabledFor(logging.INFO):
+                proxy_log.info(
+                    "refused %s %s: %s (%d) %s",
+                    request.method,
+                    request.rel_url.raw_path,
+                    refusal.slug,
+                    refusal.status,
+                    refusal.detail,
+                )
+            return problem_response(refusal)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return len(path) == len(prefix) or path[len(prefix)] == "/"
+
+
+async def serve(
+    config: Config,
+    *,
+    access_log: logging.Logger | None = None,
+    ready: Callable[[], object] = lambda: None,
+) -> None:
+    """Run the proxy of ``config`` until SIGINT or SIGTERM, then stop taking new
+    connections, let requests in flight finish for up to ``shutdown_timeout``, and
+    close the store. Raises StoreError when the store cannot be opened, OSError when
+    the address cannot be listened on."""
+    host, port = parse_listen(config.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with FenceProxy(config) as proxy:
+        runner = web.ServerRunner(
+            proxy.server(access_log=access_log),
+            handle_signals=False,
+            shutdown_timeout=config.shutdown_timeout,
+        )
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            ready()
+            await stop.wait()
         finally:
-            await proxy.close()
-            await upstreams.close()
-            if owned:
-                await opened.close()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await request.app[PROXY_KEY].handle(request)
-
-    app.cleanup_ctx.append(resources)
-    if leases is not None:
-        app.router.add_routes(leases.routes())  # before the catch-all: the prefix wins
-    app.router.add_route("*", r"/{tail:[\s\S]*}", handle)  # any path, newlines included
-    return app
+            await runner.cleanup()

@@ -7,11 +7,9 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from aiohttp import web
-
-from .app import make_app
+from .app import serve
 from .client import LeaseClient
 from .config import Config, load_config, parse_listen, parse_store_url
 from .demo import run_demo
@@ -34,6 +32,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", metavar="HOST:PORT", help="override the file's listen")
     serve.add_argument("--store", metavar="URL", help="override the file's store")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per request (off by default: it costs about a quarter of the "
+        "throughput; refusals and failures are logged either way)",
+    )
+    serve.add_argument(
+        "--loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="the event loop: uvloop when installed (auto), or the standard one",
+    )
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
@@ -76,25 +86,38 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
-def _serve(config: Config, log_level: str) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def _serve(config: Config, args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     logging.getLogger("aiohttp.server").addFilter(MalformedRequestFilter())
     host, port = parse_listen(config.listen)
+    loop, loop_name = _event_loop(args.loop)
     server_log.info(
-        "fenceproxy on http://%s:%d, %d route(s), store: %s",
+        "fenceproxy on http://%s:%d, %d route(s), store: %s, %s",
         host,
         port,
         len(config.routes),
         parse_store_url(config.store).describe(),
+        loop_name,
     )
-    web.run_app(
-        make_app(config),
-        host=host,
-        port=port,
-        shutdown_timeout=config.shutdown_timeout,
-        access_log=access_log,
-        print=None,
-    )
+    with asyncio.Runner(loop_factory=loop) as runner:
+        runner.run(serve(config, access_log=access_log if args.access_log else None))
+
+
+def _event_loop(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], str]:
+    """uvloop (about 10-15 % more throughput) when installed, unless told otherwise."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise FenceProxyError(
+                    "--loop uvloop: uvloop is not installed (pip install 'fenceproxy[fast]')"
+                ) from None
+        else:
+            return uvloop.new_event_loop, "uvloop"
+    return asyncio.new_event_loop, "asyncio loop"
 
 
 async def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -149,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(f"{where}: schema version {before} -> {after}")
             return 0
-        _serve(config, args.log_level)
+        _serve(config, args)
     except ConfigError as exc:
         print(f"fenceproxy: config error\n{exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import aiohttp
 from aiohttp import web
 
-from .app import make_app
+from .app import FenceProxy
 from .client import LeaseClient, LeaseRefused
 from .config import parse_config
 from .testing import RecordingUpstream, free_port
@@ -70,18 +70,19 @@ async def run_demo(out: TextIO = sys.stdout, ttl: float = 1.0) -> int:
                 },
                 "demo",
             )
-            runner = web.AppRunner(make_app(config), access_log=None)
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            base = f"http://127.0.0.1:{port}"
-            print(f"legacy API (ledger) on {ledger.url}", file=out)
-            print(f"fenceproxy with its lease API on {base}\n", file=out)
-            try:
-                async with aiohttp.ClientSession() as http, LeaseClient(base) as leases:
-                    at_b_claim = await _story(t, http, leases, base, ttl, ledger)
-            finally:
-                await runner.cleanup()
+            async with FenceProxy(config) as proxy:
+                runner = web.ServerRunner(proxy.server(access_log=None))
+                await runner.setup()
+                port = free_port()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                base = f"http://127.0.0.1:{port}"
+                print(f"legacy API (ledger) on {ledger.url}", file=out)
+                print(f"fenceproxy with its lease API on {base}\n", file=out)
+                try:
+                    async with aiohttp.ClientSession() as http, LeaseClient(base) as leases:
+                        at_b_claim = await _story(t, http, leases, base, ttl, ledger)
+                finally:
+                    await runner.cleanup()
             print("\nledger of the legacy API:", file=out)
             for n, received in enumerate(ledger.received, 1):
                 print(

@@ -84,30 +84,29 @@ class LeaseService:
     def __init__(self, spec: LeasesSpec) -> None:
         self.spec = spec
         self.store: Store | None = None
-        self._job_segment = spec.prefix.count("/") + 1
+        self._actions = {
+            "claim": self.claim,
+            "renew": self.renew,
+            "complete": self.complete,
+            "release": self.release,
+        }
 
-    def _job(self, request: web.Request) -> str:
-        """The job id, from the still-encoded path: bytes that are not UTF-8 are
-        refused, never read as literal text."""
-        raw = request.rel_url.raw_path.split("/")[self._job_segment]
-        return parse_job(unquote(raw, errors="surrogateescape"), "path")
+    async def handle(self, request: web.BaseRequest, path: str) -> web.Response:
+        """Answer a request whose raw ``path`` is under the prefix; everything under
+        it is the lease API's, never an upstream's."""
+        parts = path[len(self.spec.prefix) :].split("/")
+        if len(parts) == 2 and parts[1] and request.method in ("GET", "HEAD"):
+            return await self.show(request, _job(parts[1]))
+        if len(parts) == 3 and parts[1] and request.method == "POST":
+            action = self._actions.get(parts[2])
+            if action is not None:
+                return await action(request, _job(parts[1]))
+        raise NoRoute(
+            f"the lease API has no {request.method} {self.spec.prefix}/...{{job}}/... endpoint "
+            "like this; see claim, renew, complete, release and GET"
+        )
 
-    def routes(self) -> list[web.RouteDef]:
-        p = self.spec.prefix
-        job = "{job:[^/]+}"  # any segment; _job() reads and checks it from the raw path
-        return [
-            web.post(f"{p}/{job}/claim", self.claim),
-            web.post(f"{p}/{job}/renew", self.renew),
-            web.post(f"{p}/{job}/complete", self.complete),
-            web.post(f"{p}/{job}/release", self.release),
-            web.get(f"{p}/{job}", self.show),
-            # Everything else under the prefix is the lease API's, never an upstream's.
-            web.route("*", p, self.unknown),
-            web.route("*", p + r"/{tail:[\s\S]*}", self.unknown),
-        ]
-
-    async def claim(self, request: web.Request) -> web.Response:
-        job = self._job(request)
+    async def claim(self, request: web.BaseRequest, job: str) -> web.Response:
         body = await _parse(request, _Claim)
         ttl = self._ttl(body.ttl)
         result, now = await self._change(
@@ -116,8 +115,7 @@ class LeaseService:
         lease_log.info("claim %r by %r: generation %d", job, body.owner, result.generation)
         return self._answer(result, now)
 
-    async def renew(self, request: web.Request) -> web.Response:
-        job = self._job(request)
+    async def renew(self, request: web.BaseRequest, job: str) -> web.Response:
         body = await _parse(request, _Renew)
         ttl = None if body.ttl is None else self._ttl(body.ttl)
         return self._answer(
@@ -129,27 +127,19 @@ class LeaseService:
             )
         )
 
-    async def complete(self, request: web.Request) -> web.Response:
-        return await self._end(request, leasing.complete)
+    async def complete(self, request: web.BaseRequest, job: str) -> web.Response:
+        return await self._end(request, job, leasing.complete)
 
-    async def release(self, request: web.Request) -> web.Response:
-        return await self._end(request, leasing.release)
+    async def release(self, request: web.BaseRequest, job: str) -> web.Response:
+        return await self._end(request, job, leasing.release)
 
-    async def show(self, request: web.Request) -> web.Response:
-        job = self._job(request)
+    async def show(self, request: web.BaseRequest, job: str) -> web.Response:
         lease, now = await self._store().lease(job)
         if lease is None:
             raise LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
         return self._answer(lease, now)
 
-    async def unknown(self, request: web.Request) -> web.Response:
-        raise NoRoute(
-            f"the lease API has no {request.method} {self.spec.prefix}/...{{job}}/... endpoint "
-            "like this; see claim, renew, complete, release and GET"
-        )
-
-    async def _end(self, request: web.Request, decide: Any) -> web.Response:
-        job = self._job(request)
+    async def _end(self, request: web.BaseRequest, job: str, decide: Any) -> web.Response:
         body = await _parse(request, _Holder)
         result, now = await self._change(
             job, lambda cur, fence, now: decide(cur, job, body.owner, body.generation, now)
@@ -197,11 +187,17 @@ class LeaseService:
         )
 
 
+def _job(segment: str) -> str:
+    """The job id, from its still-encoded path segment: bytes that are not UTF-8 are
+    refused, never read as literal text."""
+    return parse_job(unquote(segment, errors="surrogateescape"), "path")
+
+
 def _invalid(field: str, message: str) -> LeaseRequestInvalid:
     return LeaseRequestInvalid(f"{field}: {message}", errors=[{"field": field, "message": message}])
 
 
-async def _parse(request: web.Request, schema: type[_Body]) -> Any:
+async def _parse(request: web.BaseRequest, schema: type[_Body]) -> Any:
     raw = bytearray()
     async for chunk in request.content.iter_chunked(_MAX_BODY):
         raw += chunk

@@ -29,7 +29,7 @@ dies with writes in flight leaves their records behind: only those jobs wait, on
 every proxy sharing the store, until the records expire.
 
 Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
-:func:`problem_middleware`.
+:func:`problem_response`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, TypeVar
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
@@ -74,20 +73,19 @@ from .fencing import (
     parse_method_override,
     single_field,
 )
+from .http1 import UpstreamResponse
 from .log import proxy_log
 from .routes import Route, Router
 from .store import Store
-from .target import canonical_path
 from .upstream import (
     TrustedProxies,
     UpstreamPool,
     forwarded_headers,
-    map_client_error,
     replayable_headers,
     response_headers,
 )
 
-__all__ = ["PROBLEM_JSON", "Proxy", "problem_middleware", "problem_response"]
+__all__ = ["PROBLEM_JSON", "Proxy", "problem_response"]
 
 T = TypeVar("T")
 # What became of an admitted keyed write: the upstream's answer, or one of these.
@@ -101,25 +99,6 @@ _TURN_SLACK = 1.0
 _BUSY_POLL_FIRST = 0.002
 _BUSY_POLL_MAX = 0.05
 _Slot = tuple[str, str, str]
-
-
-@web.middleware
-async def problem_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Render refusals as RFC 9457 problem+json; log each once."""
-    try:
-        return await handler(request)
-    except Refusal as refusal:
-        proxy_log.info(
-            "refused %s %s: %s (%d) %s",
-            request.method,
-            request.rel_url.raw_path,
-            refusal.slug,
-            refusal.status,
-            refusal.detail,
-        )
-        return problem_response(refusal)
 
 
 def problem_response(refusal: Refusal) -> web.Response:
@@ -142,14 +121,12 @@ class Proxy:
         *,
         trusted: TrustedProxies,
         max_stored_response: int,
-        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._router = router
         self._store = store
         self._upstreams = upstreams
         self._trusted = trusted
         self._max_stored = max_stored_response
-        self._monotonic = monotonic
         # Keyed writes of this process from arrival until the store has their final
         # state: a duplicate is answered at once rather than queued behind the
         # original, and a state the store could not take yet is still honoured.
@@ -158,13 +135,13 @@ class Proxy:
         self._keys: dict[_Slot, KeyRecord] = {}
         self._background: set[asyncio.Task[None]] = set()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+        """Forward ``request``, whose canonical path is ``path``, or raise a Refusal."""
         coding = request.headers.get(hdrs.TRANSFER_ENCODING)
         if coding is not None and coding.strip().lower() != "chunked":
             # Reject, never repair: the body would reach the upstream re-framed.
             raise UnsupportedFraming("the only transfer coding accepted is chunked")
         url = request.rel_url
-        path = canonical_path(url.raw_path)
         matched = self._router.match(path)
         if matched is None:
             raise NoRoute(f"no route is configured for {path!r}")
@@ -198,17 +175,15 @@ class Proxy:
     # -- unfenced ---------------------------------------------------------------
 
     async def _pass_through(
-        self, request: web.Request, route: Route, target: str
+        self, request: web.BaseRequest, route: Route, target: str
     ) -> web.StreamResponse:
         _check_length(request, route)
         stream = _LimitedBody(request, route.max_body) if request.body_exists else None
         headers = forwarded_headers(request, self._trusted, request.content_length)
         try:
             upstream = await self._upstreams.send(route, request.method, target, headers, stream)
-        except UpstreamError as exc:
-            if stream is not None and stream.too_large:
-                raise _body_too_large(route) from exc
-            raise
+        except BodyTooLarge:
+            raise _body_too_large(route) from None
         try:
             return await _relay(request, upstream)
         finally:
@@ -218,7 +193,7 @@ class Proxy:
 
     async def _fenced(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         route: Route,
         target: str,
         path_job: str | None,
@@ -290,90 +265,96 @@ class Proxy:
 
     async def _forward_fenced(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         route: Route,
         target: str,
         write: FencedWrite,
         headers: CIMultiDict[str],
         body: bytes,
     ) -> web.StreamResponse:
-        """Forward an admitted write in its job's turn; give the turn back and settle
-        its key exactly once."""
+        """Forward an admitted write in its job's turn; settle its key, then give the
+        turn back, so no other write ever reads the key as orphaned."""
         keyed = write.key is not None
-        # What the key becomes if this ends early; None while the store holds no key.
-        outcome: _Outcome | None = None
+        # The upstream's answer to a keyed write, read whole up to the replay cap.
+        answer, whole = b"", True
+        deadline = time.monotonic() + route.timeout
+        lock = self._store.job_lock(write.job)
         try:
-            async with self._store.job_lock(write.job):
-                decision, asked_at = await self._admit(write, route)
-                if isinstance(decision, Replay):
-                    return _replay(decision.response)
-                outcome = "not-sent"
-                in_doubt = False  # whether the write may be at the upstream, unanswered
-                try:
-                    if self._monotonic() - asked_at > _TURN_SLACK:
-                        # Stalled since the record was taken: sent now, the write could
-                        # still be at the upstream after the record expires.
-                        raise JobQuarantined(
-                            "the proxy stalled after recording this write, which was not "
-                            "sent; retry it",
-                            retry_after=1.0,
-                            job=write.job,
-                        )
-                    outcome = "unknown"  # from here on the write may reach the upstream
-                    in_doubt = True
-                    try:
-                        # Bounded as a whole, so the write cannot outlive its record.
-                        async with asyncio.timeout(_in_flight_for(route)):
-                            upstream = await self._upstreams.send(
-                                route, request.method, target, headers, body
-                            )
-                    except TimeoutError:
-                        raise UpstreamTimeout(
-                            "the upstream did not answer in time; it may have applied the write"
-                        ) from None
-                    except UpstreamError as exc:
-                        if not exc.sent:
-                            outcome = "not-sent"
-                            in_doubt = False
-                        raise
-                    in_doubt = False  # answered
-                finally:
-                    # The upstream has answered, or the write never left, or its outcome
-                    # is unknown (a cancellation mid-send included: it may land).
-                    await self._end_turn(write, route, unknown=in_doubt)
+            async with asyncio.timeout(route.timeout):
+                await lock.__aenter__()
+        except TimeoutError:
+            raise _waited_too_long(write, retry_after=1.0) from None
+        upstream: UpstreamResponse | None = None
+        try:
+            decision, recorded_at = await self._admit(write, route, deadline)
+            if isinstance(decision, Replay):
+                return _replay(decision.response)
+            # What the key becomes, and whether the write may be at the upstream
+            # unanswered, if this ends here.
+            outcome: _Outcome = "not-sent"
+            in_doubt = False
             try:
-                if not keyed:
-                    return await _relay(request, upstream)
+                if time.monotonic() - recorded_at > _TURN_SLACK:
+                    # Stalled since the record was taken: sent now, the write could
+                    # still be at the upstream after the record expires.
+                    raise JobQuarantined(
+                        "the proxy stalled after recording this write, which was not "
+                        "sent; retry it",
+                        retry_after=1.0,
+                        job=write.job,
+                    )
+                outcome, in_doubt = "unknown", True  # from here on it may reach the upstream
                 try:
-                    answer, whole = await _read_capped(upstream, self._max_stored)
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    raise map_client_error(exc) from exc
-                stored = StoredResponse(
-                    upstream.status, replayable_headers(upstream), answer if whole else None
-                )
-                outcome = None
-                await self._settle(write, stored)
-                if whole:
-                    return _answer(upstream, answer)
-                return await _relay(request, upstream, prefix=answer)
+                    # Bounded as a whole, so the write cannot outlive its record.
+                    async with asyncio.timeout(_in_flight_for(route)):
+                        upstream = await self._upstreams.send(
+                            route, request.method, target, headers, body
+                        )
+                except TimeoutError:
+                    raise UpstreamTimeout(
+                        "the upstream did not answer in time; it may have applied the write"
+                    ) from None
+                except UpstreamError as exc:
+                    if not exc.sent:
+                        outcome, in_doubt = "not-sent", False
+                    raise
+                in_doubt = False  # answered
+                if keyed:
+                    answer, whole = await upstream.read_capped(self._max_stored)
+                    outcome = StoredResponse(
+                        upstream.status, replayable_headers(upstream), answer if whole else None
+                    )
             finally:
+                # The upstream has answered, or the write never left, or its outcome
+                # is unknown (a cancellation mid-send included: it may land).
+                if keyed:
+                    await self._settle(write, outcome)
+                await self._end_turn(write, route, unknown=in_doubt)
+        except BaseException:
+            if upstream is not None:
                 upstream.release()
+            raise
         finally:
-            if keyed and outcome is not None:
-                await self._settle(write, outcome)
+            await lock.__aexit__(None, None, None)
+        try:
+            if whole and keyed:
+                return _answer(upstream, answer)
+            return await _relay(request, upstream, prefix=answer)
+        finally:
+            upstream.release()
 
-    async def _admit(self, write: FencedWrite, route: Route) -> tuple[Admit | Replay, float]:
-        """The store's decision, committed, and the monotonic time just before it was
-        asked for. While another write holds the job's in-flight record, ask again for
-        up to the route's ``timeout``; then, or at once when that write's outcome is
+    async def _admit(
+        self, write: FencedWrite, route: Route, deadline: float
+    ) -> tuple[Admit | Replay, float]:
+        """The store's decision, committed, and the monotonic instant at or before which
+        its in-flight record was dated. While another write holds the job's record,
+        ask again until ``deadline``; then, or at once when that write's outcome is
         unknown, refuse with JobQuarantined."""
-        deadline = self._monotonic() + route.timeout
         delay = _BUSY_POLL_FIRST
         while True:
-            asked_at = self._monotonic()
-            decision = await self._store_admit(write, route)
+            decision, recorded_at = await self._store_admit(write, route)
             if not isinstance(decision, Busy):
-                return decision, asked_at
+                return decision, recorded_at
             if decision.unknown:
                 raise JobQuarantined(
                     "an earlier write of this job got no answer and may still be applied by "
@@ -382,38 +363,43 @@ class Proxy:
                     retry_after=decision.retry_after,
                     job=write.job,
                 )
-            if self._monotonic() + delay > deadline:
-                raise JobQuarantined(
-                    "another write of this job is in flight at the upstream (sent by this or "
-                    "another proxy, or by one that stopped); its later writes wait for it, "
-                    "and this one waited as long as the route's timeout",
-                    retry_after=decision.retry_after,
-                    job=write.job,
-                )
+            if time.monotonic() + delay > deadline:
+                raise _waited_too_long(write, retry_after=decision.retry_after)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BUSY_POLL_MAX)
 
-    async def _store_admit(self, write: FencedWrite, route: Route) -> Admit | Replay | Busy:
+    async def _store_admit(
+        self, write: FencedWrite, route: Route
+    ) -> tuple[Admit | Replay | Busy, float]:
         """One admission; a refusal is raised. If the request is cancelled meanwhile,
         what the store took is given back: nothing was sent."""
         admitting = asyncio.ensure_future(self._store.admit(write))
         try:
-            decision = await asyncio.shield(admitting)
+            decision, recorded_at = await asyncio.shield(admitting)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                if isinstance(await admitting, Admit):
-                    await self._end_turn(write, route, unknown=False)
+                if isinstance((await admitting)[0], Admit):
                     if write.key is not None:
                         await self._settle(write, "not-sent")
+                    await self._end_turn(write, route, unknown=False)
             raise
         except StoreError as exc:
             proxy_log.error("store failed, refusing the write: %s", exc)
+            # The store may have committed what it could not confirm (a lost reply):
+            # give back whatever this write took, so neither its job nor its key waits
+            # out the record. Nothing was sent.
+            self._retry_later(lambda: self._give_back(write), first=0.0)
             raise StoreUnavailable(
                 "the fencing store could not record this write; nothing was forwarded"
             ) from exc
         if isinstance(decision, Refusal):
             raise decision
-        return decision
+        return decision, recorded_at
+
+    async def _give_back(self, write: FencedWrite) -> None:
+        if write.key is not None:
+            await self._store.forget_key(write)
+        await self._store.end_turn(write)
 
     async def _end_turn(self, write: FencedWrite, route: Route, *, unknown: bool) -> None:
         """Give the job's in-flight record back, or keep it for the route's quarantine
@@ -451,13 +437,20 @@ class Proxy:
             self._keys.pop(slot, None)
 
     def _retry_later(
-        self, attempt: Callable[[], Awaitable[None]], then: Callable[[], object] = lambda: None
+        self,
+        attempt: Callable[[], Awaitable[None]],
+        then: Callable[[], object] = lambda: None,
+        *,
+        first: float = _SETTLE_RETRY,
     ) -> None:
-        """Retry a store write every second in the background until it succeeds."""
+        """Retry a store write in the background, after ``first`` seconds and then
+        every second, until it succeeds."""
 
         async def retry() -> None:
+            delay = first
             while True:
-                await asyncio.sleep(_SETTLE_RETRY)
+                await asyncio.sleep(delay)
+                delay = _SETTLE_RETRY
                 try:
                     await attempt()
                 except StoreError:
@@ -528,13 +521,13 @@ def _body_too_large(route: Route) -> BodyTooLarge:
     )
 
 
-def _check_length(request: web.Request, route: Route) -> None:
+def _check_length(request: web.BaseRequest, route: Route) -> None:
     length = request.content_length
     if length is not None and length > route.max_body:
         raise _body_too_large(route)
 
 
-async def _read_limited(request: web.Request, route: Route) -> bytes:
+async def _read_limited(request: web.BaseRequest, route: Route) -> bytes:
     body = bytearray()
     async for chunk in request.content.iter_chunked(_CHUNK):
         body += chunk
@@ -549,7 +542,7 @@ class _LimitedBody:
 
     __slots__ = ("_limit", "_request", "too_large")
 
-    def __init__(self, request: web.Request, limit: int) -> None:
+    def __init__(self, request: web.BaseRequest, limit: int) -> None:
         self._request = request
         self._limit = limit
         self.too_large = False
@@ -564,18 +557,17 @@ class _LimitedBody:
             yield chunk
 
 
-async def _read_capped(upstream: aiohttp.ClientResponse, cap: int) -> tuple[bytes, bool]:
-    """Up to a little over ``cap`` bytes of the answer, and whether that is all of it.
-    Raises the client error if the upstream breaks off."""
-    data = bytearray()
-    async for chunk in upstream.content.iter_any():
-        data += chunk
-        if len(data) > cap:
-            return bytes(data), False
-    return bytes(data), True
+def _waited_too_long(write: FencedWrite, *, retry_after: float) -> JobQuarantined:
+    return JobQuarantined(
+        "another write of this job is in flight at the upstream (sent by this or another "
+        "proxy, or by one that stopped); its later writes wait for it, and this one "
+        "waited as long as the route's timeout",
+        retry_after=retry_after,
+        job=write.job,
+    )
 
 
-def _answer(upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
+def _answer(upstream: UpstreamResponse, body: bytes) -> web.Response:
     headers = response_headers(upstream)
     headers.popall("Content-Length", None)
     return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
@@ -589,7 +581,7 @@ def _replay(stored: StoredResponse) -> web.Response:
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, prefix: bytes = b""
+    request: web.BaseRequest, upstream: UpstreamResponse, prefix: bytes = b""
 ) -> web.StreamResponse:
     """Stream the upstream's answer (after ``prefix``, already read from it) to the
     client. If the upstream breaks off mid-answer the client's connection is closed,
@@ -601,11 +593,11 @@ async def _relay(
         await response.prepare(request)
         if prefix:
             await response.write(prefix)
-        async for chunk in upstream.content.iter_any():
+        async for chunk in upstream.chunks():
             await response.write(chunk)
         await response.write_eof()
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        proxy_log.warning("upstream answer cut short: %s", type(exc).__name__)
+    except UpstreamError as exc:
+        proxy_log.warning("upstream answer cut short: %s", exc.detail)
         if request.transport is not None:
             request.transport.close()
     except ConnectionError:

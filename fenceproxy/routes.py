@@ -52,8 +52,8 @@ class Route:
     path: str
     upstream: URL
     """Scheme, host and port of the upstream."""
-    target: str
-    """The upstream's origin and base path, to which the request's path is appended."""
+    base_path: str
+    """The upstream's base path, to which the request's path is appended."""
     fence: Fence | None
     timeout: float
     connect_timeout: float
@@ -99,7 +99,7 @@ class Route:
             name=spec.name,
             path=spec.path,
             upstream=url.origin(),
-            target=str(url.origin()) + url.raw_path.rstrip("/"),
+            base_path=url.raw_path.rstrip("/"),
             fence=fence,
             timeout=spec.timeout,
             connect_timeout=spec.connect_timeout,

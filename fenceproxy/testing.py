@@ -5,6 +5,8 @@
 * :class:`RawUpstream`: an upstream that records the very bytes it receives, before
   any HTTP library reads them, for asserting exactly what the proxy sent.
 * :class:`FakeClock`: a clock tests move by hand instead of sleeping.
+* :class:`ProxyTestServer`: a :class:`~fenceproxy.app.FenceProxy` on loopback, for
+  aiohttp's test client (``aiohttp_client(ProxyTestServer(FenceProxy(config)))``).
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from aiohttp.test_utils import BaseTestServer
 from multidict import CIMultiDictProxy
 
 from . import hdrs
+from .app import FenceProxy
 
 __all__ = [
     "FakeClock",
     "ProxyProcess",
+    "ProxyTestServer",
     "RawRequest",
     "RawUpstream",
     "Received",
@@ -39,6 +45,24 @@ __all__ = [
 ]
 
 Responder = Callable[[web.Request, "Received"], Awaitable[web.StreamResponse]]
+
+
+class ProxyTestServer(BaseTestServer):
+    """``proxy`` served on loopback: opened when the server starts, closed after it."""
+
+    def __init__(self, proxy: FenceProxy, **kwargs: Any) -> None:
+        self.proxy = proxy
+        super().__init__(host="127.0.0.1", **kwargs)
+
+    async def _make_runner(self, **kwargs: Any) -> web.ServerRunner:
+        await self.proxy.__aenter__()
+        return web.ServerRunner(self.proxy.server(**kwargs))
+
+    async def close(self) -> None:
+        opened = self.started and not self.closed
+        await super().close()
+        if opened:
+            await self.proxy.__aexit__(None, None, None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""The upstream side: one keep-alive client per upstream, the header rules in both
-directions, and the one place where aiohttp client errors become UpstreamErrors.
+"""The upstream side: the header rules in both directions, and one pool of
+keep-alive connections per upstream origin (:mod:`fenceproxy.http1`, where the
+client's failures become UpstreamErrors).
 
 The client never follows redirects, never decompresses, keeps no cookies, and
 never retries a request on its own: retrying a write is the worker's decision.
@@ -7,31 +8,23 @@ never retries a request on its own: retrying a write is the worker's decision.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 from yarl import URL
 
 from . import hdrs
-from .errors import (
-    RequestHeaderMalformed,
-    UpstreamError,
-    UpstreamFailed,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-)
+from .errors import RequestHeaderMalformed
+from .http1 import Origin, UpstreamResponse
 from .routes import Route
 
 __all__ = [
     "TrustedProxies",
     "UpstreamPool",
     "forwarded_headers",
-    "map_client_error",
     "replayable_headers",
     "response_headers",
 ]
@@ -143,14 +136,14 @@ def _is_utf8(value: str) -> bool:
     return True
 
 
-def response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+def response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:
     """The upstream's response headers less hop-by-hop ones, plus Via."""
     out: CIMultiDict[str] = CIMultiDict(_copy_without(upstream.headers, _NOT_RETURNED))
     _append_via(out, upstream.version)
     return out
 
 
-def replayable_headers(upstream: aiohttp.ClientResponse) -> tuple[tuple[str, str], ...]:
+def replayable_headers(upstream: UpstreamResponse) -> tuple[tuple[str, str], ...]:
     """The upstream's headers worth storing for a replay: no hop-by-hop, no framing
     (the replay is framed anew), no Via."""
     return tuple(_copy_without(upstream.headers, _NOT_STORED))
@@ -162,45 +155,17 @@ def _append_via(headers: CIMultiDict[str], version: Any) -> None:
     headers[hdrs.VIA] = f"{prior}, {hop}" if prior else hop
 
 
-def map_client_error(exc: BaseException) -> UpstreamError:
-    """The one mapping of aiohttp client errors to fenceproxy's.
-
-    Only a failure to connect means the request never left; everything else after
-    the connection was made leaves the outcome unknown.
-    """
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return UpstreamUnreachable(f"could not connect to the upstream: {type(exc).__name__}")
-    if isinstance(exc, asyncio.TimeoutError):
-        return UpstreamTimeout("the upstream did not answer in time; it may have applied the write")
-    return UpstreamFailed(
-        f"the upstream connection failed after the request was sent ({type(exc).__name__}); "
-        "it may have applied the write"
-    )
-
-
 class UpstreamPool:
-    """One keep-alive ``ClientSession`` per upstream origin, made once at start-up."""
+    """The connection pool of each upstream origin the routes name, made at start-up."""
 
     def __init__(self, routes: Iterable[Route]) -> None:
-        self._sessions: dict[URL, aiohttp.ClientSession] = {}
-        self._timeouts: dict[str, aiohttp.ClientTimeout] = {}
+        self._origins: dict[URL, Origin] = {}
         for route in routes:
-            self._timeouts[route.name] = aiohttp.ClientTimeout(
-                total=None, connect=route.connect_timeout, sock_read=route.timeout
-            )
-            if route.upstream not in self._sessions:
-                session = aiohttp.ClientSession(
-                    auto_decompress=False,
-                    cookie_jar=aiohttp.DummyCookieJar(),
-                    # Add nothing the client did not send: no User-Agent, Accept or
-                    # Accept-Encoding, and no Content-Type guessed for a body.
-                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                    connector=aiohttp.TCPConnector(limit=0, limit_per_host=256),
-                )
-                # aiohttp re-sends PUT and DELETE once when a pooled connection drops
-                # before the answer. A fenced write must never be sent twice by us.
-                session._retry_connection = False
-                self._sessions[route.upstream] = session
+            if route.upstream not in self._origins:
+                self._origins[route.upstream] = Origin(route.upstream)
+
+    def origin(self, route: Route) -> Origin:
+        return self._origins[route.upstream]
 
     async def send(
         self,
@@ -209,25 +174,19 @@ class UpstreamPool:
         target: str,
         headers: CIMultiDict[str],
         body: bytes | AsyncIterable[bytes] | None,
-    ) -> aiohttp.ClientResponse:
-        """Send a request and return once the upstream's status and headers are in.
-
-        Raises UpstreamError (see :func:`map_client_error`); the caller must release
-        the response it gets.
-        """
-        url = URL(route.target + target, encoded=True)
-        try:
-            return await self._sessions[route.upstream].request(
-                method,
-                url,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                timeout=self._timeouts[route.name],
-            )
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise map_client_error(exc) from exc
+    ) -> UpstreamResponse:
+        """Send a request to the route's upstream and return once the upstream's status
+        and headers are in; the caller must release the response it gets. Raises
+        UpstreamError (see :mod:`fenceproxy.http1`)."""
+        return await self._origins[route.upstream].request(
+            method,
+            route.base_path + target,
+            headers,
+            body,
+            connect_timeout=route.connect_timeout,
+            read_timeout=route.timeout,
+        )
 
     async def close(self) -> None:
-        for session in self._sessions.values():
-            await session.close()
+        for origin in self._origins.values():
+            origin.close()

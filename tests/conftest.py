@@ -13,10 +13,12 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 from hypothesis import settings
 
-from fenceproxy.app import STORE_KEY, make_app
+from fenceproxy.app import FenceProxy
 from fenceproxy.config import parse_config
+from fenceproxy.errors import Refusal
+from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay
 from fenceproxy.store import PostgresStore, Store
-from fenceproxy.testing import FakeClock, RecordingUpstream
+from fenceproxy.testing import FakeClock, ProxyTestServer, RecordingUpstream
 
 from .nginx import NGINX, Nginx
 from .postgres import PostgresServer, postgres_bin, sql
@@ -88,12 +90,6 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def monotonic() -> FakeClock:
-    """The proxy's monotonic clock (quarantines)."""
-    return FakeClock(0.0)
-
-
-@pytest.fixture
 def proxy_config(upstream: RecordingUpstream, store_url: str) -> Callable[..., Any]:
     def build(routes: list[dict[str, Any]] | None = None, **top: Any) -> Any:
         data = {
@@ -109,10 +105,10 @@ def proxy_config(upstream: RecordingUpstream, store_url: str) -> Callable[..., A
 
 @pytest.fixture
 def start_proxy(
-    aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock, monotonic: FakeClock
+    aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock
 ) -> ProxyFactory:
-    """Start the proxy on loopback; returns a client pointed at it. ``store`` and
-    ``server_kwargs`` go to make_app and the test server, the rest to the config."""
+    """Start the proxy on loopback; returns a client pointed at it. ``store`` goes to
+    the proxy, ``server_kwargs`` to aiohttp's server, the rest to the config."""
 
     async def start(
         routes: list[dict[str, Any]] | None = None,
@@ -121,8 +117,10 @@ def start_proxy(
         server_kwargs: dict[str, Any] | None = None,
         **top: Any,
     ) -> TestClient[Any, Any]:
-        app = make_app(proxy_config(routes, **top), store=store, clock=clock, monotonic=monotonic)
-        client: TestClient[Any, Any] = await aiohttp_client(app, server_kwargs=server_kwargs or {})
+        proxy = FenceProxy(proxy_config(routes, **top), store=store, clock=clock)
+        client: TestClient[Any, Any] = await aiohttp_client(
+            ProxyTestServer(proxy), server_kwargs=server_kwargs or {}
+        )
         return client
 
     return start
@@ -133,8 +131,16 @@ async def proxy(start_proxy: ProxyFactory) -> TestClient[Any, Any]:
     return await start_proxy()
 
 
+async def admit(store: Store, write: FencedWrite) -> Admit | Replay | Refusal | Busy:
+    """The store's decision on ``write``, without the instant it was dated."""
+    decision, _ = await store.admit(write)
+    return decision
+
+
 def store_of(client: TestClient[Any, Any]) -> Store:
-    return client.app[STORE_KEY]  # type: ignore[index]
+    server = client.server
+    assert isinstance(server, ProxyTestServer)
+    return server.proxy.store
 
 
 async def fenced(

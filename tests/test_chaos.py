@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from fenceproxy.app import make_app
+from fenceproxy.app import FenceProxy
 from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
+from fenceproxy.testing import ProxyTestServer
 
 from .broken_fence import BACKENDS, decide_ignoring_generations
 from .postgres import PostgresServer
@@ -177,7 +178,7 @@ async def test_checker_over_a_directed_stale_write(
     if broken:
         for backend in BACKENDS:
             monkeypatch.setattr(backend, "decide", decide_ignoring_generations)
-    proxy = await aiohttp_client(make_app(proxy_config()))
+    proxy = await aiohttp_client(ProxyTestServer(FenceProxy(proxy_config())))
     events = []
     for op, generation in (("new", 2), ("stale", 1)):
         answer = await proxy.post(

@@ -15,7 +15,7 @@ from fenceproxy.fencing import FencedWrite, Replay, StoredResponse, fingerprint
 from fenceproxy.store import SQLiteStore
 from fenceproxy.testing import FakeClock, Received, RecordingUpstream
 
-from .conftest import ProxyFactory, fenced
+from .conftest import ProxyFactory, admit, fenced
 from .test_proxy import problem
 
 
@@ -23,6 +23,8 @@ class FaultyStore(SQLiteStore):
     """A real SQLite store whose chosen operations fail or wait on a gate."""
 
     fail_complete = 0
+    stall_after_admit = 0.0
+    lose_admit_reply = 0
     gate: asyncio.Event | None = None
     gated: str = ""
     entered: asyncio.Event
@@ -34,7 +36,12 @@ class FaultyStore(SQLiteStore):
 
     async def admit(self, write: FencedWrite) -> Any:
         await self._maybe_wait("admit")
-        return await super().admit(write)
+        admitted = await super().admit(write)
+        await asyncio.sleep(self.stall_after_admit)
+        if self.lose_admit_reply:
+            self.lose_admit_reply -= 1
+            raise StoreError("connection lost waiting for COMMIT's reply (injected)")
+        return admitted
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         await self._maybe_wait("complete_key")
@@ -100,10 +107,11 @@ async def test_unknown_outcome_quarantines_the_job(
     refused = await fenced(proxy, "j", 8, body={"w": 8})
     body = await problem(refused, 503, "job-quarantined")
     assert body["job"] == "j"
-    assert refused.headers["Retry-After"] == "30"
+    # The quarantine, or what is left of the write's own record if that is longer.
+    assert 30 <= int(refused.headers["Retry-After"]) <= 37
     assert (await fenced(proxy, "other", 1, body={"w": "other"})).status == 200
     slow.set()
-    clock.advance(31)  # the store's clock: the job's in-flight record expires
+    clock.advance(37)  # the store's clock: the job's in-flight record expires
     assert (await fenced(proxy, "j", 8, body={"w": 8})).status == 200
     assert [r.body for r in upstream.received if r.job == "j"] == [b'{"w": 7}', b'{"w": 8}']
 
@@ -137,9 +145,54 @@ async def test_failed_key_record_is_kept_in_memory_and_retried(
         "billing", "j", 1, key="k", fingerprint=fingerprint(got.method, got.path_qs, got.body)
     )
     async with asyncio.timeout(10):
-        while not isinstance(await faulty.admit(write), Replay):
+        while not isinstance(await admit(faulty, write), Replay):
             await asyncio.sleep(0.1)
     assert len(upstream.received) == 1
+
+
+async def test_a_write_stalled_after_its_record_was_taken_is_not_sent(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    """Sent after such a stall, the write could still be at the upstream when its
+    in-flight record expires and a newer write goes."""
+    proxy = await start_proxy(store=faulty)
+    faulty.stall_after_admit = 1.2  # over the 1 s the record allows for it
+    await problem(await fenced(proxy, "j", 1, body={"a": 1}), 503, "job-quarantined")
+    assert upstream.received == []
+    faulty.stall_after_admit = 0.0
+    assert (await fenced(proxy, "j", 1, body={"a": 2})).status == 200  # the record is back
+
+
+async def test_waiting_for_the_store_before_it_decides_is_no_stall(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    """Time spent queued for a commit or a pool connection comes before the record
+    is dated: under load it must not count against the write."""
+    proxy = await start_proxy(store=faulty)
+    queued = gate(faulty, "admit")
+    attempt = asyncio.ensure_future(fenced(proxy, "j", 1, body={"a": 1}))
+    await asyncio.wait_for(faulty.entered.wait(), 5)
+    await asyncio.sleep(1.2)  # the queue ahead of it
+    queued.set()
+    assert (await attempt).status == 200
+    assert upstream.bodies() == [{"a": 1}]
+
+
+async def test_an_admission_committed_but_unconfirmed_is_given_back(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    """The store took the record and the key, and its reply was lost: the write is
+    refused (nothing was sent) and what it took is given back at once, so its retry
+    neither waits out the record nor finds its key in an unknown state."""
+    proxy = await start_proxy(store=faulty)
+    faulty.lose_admit_reply = 1
+    await problem(await fenced(proxy, "j", 1, key="k", body={"a": 1}), 503, "store-unavailable")
+    assert upstream.received == []
+    async with asyncio.timeout(5):
+        while (retry := await fenced(proxy, "j", 1, key="k", body={"a": 1})).status != 200:
+            await problem(retry, 409, "duplicate-in-flight")
+            await asyncio.sleep(0.01)
+    assert upstream.bodies() == [{"a": 1}]
 
 
 async def test_cancelled_admission_releases_the_key(

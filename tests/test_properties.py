@@ -31,15 +31,15 @@ from urllib.parse import quote
 
 import pytest
 import yaml
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fenceproxy.app import make_app
+from fenceproxy.app import FenceProxy
 from fenceproxy.config import Config, load_config, parse_config
 from fenceproxy.errors import ConfigError
 from fenceproxy.fencing import GENERATION_MAX, JOB_MAX_BYTES, KEY_MAX_CHARS
-from fenceproxy.testing import RecordingUpstream
+from fenceproxy.testing import ProxyTestServer, RecordingUpstream
 
 from .conftest import ProxyFactory, fenced, raw_request
 
@@ -204,7 +204,7 @@ async def _fresh_proxy(
         },
         "test.yaml",
     )
-    async with TestServer(make_app(config), host="127.0.0.1") as server:
+    async with ProxyTestServer(FenceProxy(config)) as server:
         assert server.port is not None
         yield server.port
 

@@ -11,14 +11,16 @@ from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
 
+import asyncpg
 import pytest
 
-from fenceproxy import cli
+from fenceproxy import cli, leasing
 from fenceproxy.errors import StoreError
-from fenceproxy.fencing import Admit, Busy, FencedWrite
+from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.testing import FakeClock
 
+from .conftest import admit
 from .postgres import PostgresServer, sql
 
 SQLITE_TRIGGER = (
@@ -68,13 +70,13 @@ async def test_a_fault_inside_a_transaction_undoes_it_and_tells_its_callers(
     try:
         good, bad, other = keyed("a", 5, "k"), keyed("b", 5, "boom"), keyed("c", 5, "k")
         outcomes = await asyncio.gather(
-            store.admit(good), store.admit(bad), store.admit(other), return_exceptions=True
+            admit(store, good), admit(store, bad), admit(store, other), return_exceptions=True
         )
         assert isinstance(outcomes[1], StoreError)
         assert "injected" in str(outcomes[1])
         # Nothing of the failed write stays: no fence, no in-flight record.
         assert await store.generation("b") is None
-        assert isinstance(await store.admit(keyed("b", 5, "retry")), Admit)
+        assert isinstance(await admit(store, keyed("b", 5, "retry")), Admit)
         if isinstance(store, SQLiteStore):
             # One batch, one transaction: its other writes were undone with it, and
             # their callers were told.
@@ -84,7 +86,7 @@ async def test_a_fault_inside_a_transaction_undoes_it_and_tells_its_callers(
             # One transaction per write: the others are untouched.
             assert outcomes[0] == outcomes[2] == Admit(raise_to=5)
             assert await store.generation("a") == 5
-        assert isinstance(await store.admit(FencedWrite("r", "d", 1)), Admit)  # then on
+        assert isinstance(await admit(store, FencedWrite("r", "d", 1)), Admit)  # then on
     finally:
         await store.close()
         if not store_url.startswith("sqlite"):
@@ -95,25 +97,25 @@ async def test_a_closed_store_refuses_work_at_once(store: Store) -> None:
     await store.close()
     async with asyncio.timeout(5):
         with pytest.raises(StoreError):
-            await store.admit(FencedWrite("r", "j", 1))
+            await admit(store, FencedWrite("r", "j", 1))
 
 
 async def test_a_write_of_a_job_whose_record_is_held_is_busy_until_it_ends(
     store: Store, clock: FakeClock
 ) -> None:
     first = FencedWrite("r", "j", 1, hold=30)
-    assert await store.admit(first) == Admit(raise_to=1)
-    busy = await store.admit(FencedWrite("r", "j", 2))
+    assert await admit(store, first) == Admit(raise_to=1)
+    busy = await admit(store, FencedWrite("r", "j", 2))
     assert isinstance(busy, Busy)
     assert (busy.unknown, busy.retry_after) == (False, pytest.approx(30, abs=1))
     # A stale write is refused as stale even while the record is held.
-    assert (await store.admit(FencedWrite("r", "j", 0))).slug == "stale-generation"  # type: ignore[union-attr]
-    await store.end_turn(first, unknown_for=10)
-    busy = await store.admit(FencedWrite("r", "j", 2))
+    assert (await admit(store, FencedWrite("r", "j", 0))).slug == "stale-generation"  # type: ignore[union-attr]
+    await store.end_turn(first, unknown_for=40)
+    busy = await admit(store, FencedWrite("r", "j", 2))
     assert isinstance(busy, Busy)
-    assert (busy.unknown, busy.retry_after) == (True, pytest.approx(10, abs=1))
-    clock.advance(11)
-    assert await store.admit(FencedWrite("r", "j", 2)) == Admit(raise_to=2)
+    assert (busy.unknown, busy.retry_after) == (True, pytest.approx(40, abs=1))
+    clock.advance(41)
+    assert await admit(store, FencedWrite("r", "j", 2)) == Admit(raise_to=2)
     assert await store.generation("j") == 2
 
 
@@ -132,7 +134,7 @@ async def test_racing_writers_on_two_stores_never_lower_the_fence_nor_reorder(
     async def one(n: int, wave: int) -> None:
         store = stores[n % 2]
         write = FencedWrite("r", "hot", wave * 5 + rng.randint(0, 9), hold=10)
-        while isinstance(decision := await store.admit(write), Busy):
+        while isinstance(decision := await admit(store, write), Busy):
             await asyncio.sleep(0.001)
         if isinstance(decision, Admit):
             admitted.append(write.generation)
@@ -196,7 +198,7 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
     try:
         assert await store.generation("j") == 7
         retry = keyed("j", 7, "k")
-        decision = await store.admit(retry)
+        decision = await admit(store, retry)
         # Left in flight by a proxy of the old version: no record ties it to a write.
         assert decision.slug == "duplicate-outcome-unknown"  # type: ignore[union-attr]
     finally:
@@ -275,7 +277,7 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
 
         async def race(job: str) -> None:
             await asyncio.gather(
-                admitting.admit(FencedWrite("r", job, 100)),
+                admit(admitting, FencedWrite("r", job, 100)),
                 claiming.change_lease(
                     job, lambda cur, fence, now: leasing.claim(cur, fence, job, "w", 5.0, now)
                 ),
@@ -290,3 +292,66 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
     finally:
         await admitting.close()
         await claiming.close()
+
+
+async def test_a_key_in_flight_outlives_its_own_time(store: Store, clock: FakeClock) -> None:
+    """A key kept 60 s whose write holds its job for longer: a duplicate sent after
+    the key's time is still a duplicate of a write that may be applied."""
+    original = FencedWrite("r", "j", 1, key="k", fingerprint=b"k", hold=300)
+    assert isinstance(await admit(store, original), Admit)
+    clock.advance(120)  # past the key's 60 s, inside the write's hold
+    assert await store.purge_expired() == 0
+    duplicate = keyed("j", 1, "k")
+    assert (await admit(store, duplicate)).slug == "duplicate-in-flight"  # type: ignore[union-attr]
+    await store.complete_key(original, StoredResponse(201, (), b"{}"))
+    await store.end_turn(original)
+    assert isinstance(await admit(store, duplicate), Replay)
+
+
+async def test_an_unknown_outcome_never_shortens_a_record(store: Store) -> None:
+    write = FencedWrite("r", "j", 1, hold=300)
+    await admit(store, write)
+    await store.end_turn(write, unknown_for=5)
+    busy = await admit(store, FencedWrite("r", "j", 2))
+    assert isinstance(busy, Busy)
+    assert (busy.unknown, busy.retry_after) == (True, pytest.approx(300, abs=1))
+
+
+async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
+    store_url: str, clock: FakeClock
+) -> None:
+    """The job has no fence row, so the claim's read locks nothing; a write inserting
+    generation 100 commits while the claim runs. The claim must hand out 101, not a
+    generation its holder's writes would be refused with."""
+    if not store_url.startswith("postgresql"):
+        pytest.skip("one SQLite process decides one operation at a time")
+    store = await open_store(store_url, key_ttl=60, clock=clock)
+    other = await asyncpg.connect(store_url)
+    try:
+        writing = other.transaction()
+        await writing.start()
+        await other.execute(
+            "INSERT INTO fences (job, generation, updated_at) VALUES ('fresh', 100, 0)"
+        )
+        claim = asyncio.ensure_future(
+            store.change_lease(
+                "fresh", lambda cur, fence, now: leasing.claim(cur, fence, "fresh", "w", 30, now)
+            )
+        )
+        # Until the claim waits on the uncommitted row.
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        watcher = await asyncpg.connect(store_url)
+        try:
+            while not await watcher.fetchval(waiting):
+                assert not claim.done()
+                await asyncio.sleep(0.01)
+        finally:
+            await watcher.close()
+        await writing.commit()
+        lease, _ = await claim
+        assert isinstance(lease, leasing.Lease)
+        assert lease.generation == 101
+        assert await store.generation("fresh") == 101
+    finally:
+        await other.close()
+        await store.close()

@@ -16,6 +16,8 @@ from fenceproxy.store import SQLiteStore
 from fenceproxy.store import sqlite as sqlite_store
 from fenceproxy.testing import FakeClock
 
+from .conftest import admit
+
 
 def keyed(job: str, generation: int, key: str) -> FencedWrite:
     return FencedWrite("r", job, generation, key=key, fingerprint=b"fp-" + key.encode())
@@ -23,12 +25,12 @@ def keyed(job: str, generation: int, key: str) -> FencedWrite:
 
 async def test_fence_survives_reopen(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path)
-    assert await store.admit(FencedWrite("r", "j", 8)) == Admit(raise_to=8)
+    assert await admit(store, FencedWrite("r", "j", 8)) == Admit(raise_to=8)
     await store.close()
     store = await SQLiteStore.open(store_path)
     try:
         assert await store.generation("j") == 8
-        assert isinstance(await store.admit(FencedWrite("r", "j", 7)), StaleGeneration)
+        assert isinstance(await admit(store, FencedWrite("r", "j", 7)), StaleGeneration)
     finally:
         await store.close()
 
@@ -39,15 +41,15 @@ async def test_key_in_flight_at_a_stop_reads_as_unknown_once_its_record_expires(
     clock = FakeClock()
     store = await SQLiteStore.open(store_path, clock=clock)
     write = keyed("j", 1, "k")
-    assert isinstance(await store.admit(write), Admit)
+    assert isinstance(await admit(store, write), Admit)
     await store.close()  # as if the process died before the answer came
     store = await SQLiteStore.open(store_path, clock=clock)
     try:
         retry = keyed("j", 1, "k")  # another attempt, by another proxy or process
-        decision = await store.admit(retry)
+        decision = await admit(store, retry)
         assert decision.slug == "duplicate-in-flight"  # type: ignore[union-attr]
         clock.advance(write.hold)
-        decision = await store.admit(retry)
+        decision = await admit(store, retry)
         assert decision.slug == "duplicate-outcome-unknown"  # type: ignore[union-attr]
     finally:
         await store.close()
@@ -56,13 +58,13 @@ async def test_key_in_flight_at_a_stop_reads_as_unknown_once_its_record_expires(
 async def test_completed_key_replays_after_reopen(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path)
     write = keyed("j", 1, "k")
-    await store.admit(write)
+    await admit(store, write)
     stored = StoredResponse(201, (("Content-Type", "text/plain"), ("X-A", "1")), b"made")
     await store.complete_key(write, stored)
     await store.close()
     store = await SQLiteStore.open(store_path)
     try:
-        assert await store.admit(write) == Replay(stored)
+        assert await admit(store, write) == Replay(stored)
     finally:
         await store.close()
 
@@ -71,9 +73,9 @@ async def test_forgotten_key_can_be_admitted_again(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path)
     try:
         write = keyed("j", 1, "k")
-        await store.admit(write)
+        await admit(store, write)
         await store.forget_key(write)
-        assert isinstance(await store.admit(write), Admit)
+        assert isinstance(await admit(store, write), Admit)
     finally:
         await store.close()
 
@@ -83,7 +85,7 @@ async def test_concurrent_operations_share_commits(store_path: Path) -> None:
     try:
         writes = [FencedWrite("r", f"job-{i}", i) for i in range(200)]
         before = store.commits
-        decisions = await asyncio.gather(*(store.admit(w) for w in writes))
+        decisions = await asyncio.gather(*(admit(store, w) for w in writes))
         assert all(isinstance(d, Admit) for d in decisions)
         commits = store.commits - before
         assert 1 <= commits < 50, commits
@@ -98,17 +100,17 @@ async def test_expired_keys_are_absent_then_purged(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path, key_ttl=60, clock=clock)
     try:
         done = keyed("j", 1, "done")
-        await store.admit(done)
+        await admit(store, done)
         await store.complete_key(done, StoredResponse(200, (), b""))
         await store.end_turn(done)
         running = FencedWrite("r", "j", 1, key="running", fingerprint=b"fp", hold=600)
-        await store.admit(running)
+        await admit(store, running)
         clock.advance(61)
         # The completed key goes; the key in flight stays while its write holds the
         # job's in-flight record.
         assert await store.purge_expired() == 1
         await store.end_turn(running)
-        assert isinstance(await store.admit(keyed("j", 1, "done")), Admit)
+        assert isinstance(await admit(store, keyed("j", 1, "done")), Admit)
     finally:
         await store.close()
 
@@ -133,7 +135,7 @@ async def test_closed_store_refuses_work(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path)
     await store.close()
     with pytest.raises(StoreError):
-        await store.admit(FencedWrite("r", "j", 1))
+        await admit(store, FencedWrite("r", "j", 1))
 
 
 async def test_key_state_names_are_stable() -> None:
@@ -144,10 +146,10 @@ async def test_key_state_names_are_stable() -> None:
 async def test_concurrent_writes_of_many_jobs_share_commits(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path)
     try:
-        await store.admit(FencedWrite("r", "warm-up", 1))
+        await admit(store, FencedWrite("r", "warm-up", 1))
         before = store.commits
         writes = [FencedWrite("r", f"j{n}", 5) for n in range(50)]
-        decisions = await asyncio.gather(*(store.admit(w) for w in writes))
+        decisions = await asyncio.gather(*(admit(store, w) for w in writes))
         assert all(d == Admit(raise_to=5) for d in decisions)
         assert store.commits - before <= 10  # each commit carries several admissions
         await asyncio.gather(*(store.end_turn(w) for w in writes))
@@ -168,7 +170,7 @@ async def test_work_waiting_on_a_writer_that_stopped_fails_at_once(store_path: P
             await store._writer
         async with asyncio.timeout(5):
             with pytest.raises(StoreError):
-                await store.admit(FencedWrite("r", "j", 1))
+                await admit(store, FencedWrite("r", "j", 1))
     finally:
         await store.close()
 
@@ -179,10 +181,15 @@ async def test_the_durability_setting_is_the_one_asked_for(
 ) -> None:
     store = await SQLiteStore.open(store_path, synchronous=option)
     try:
-        rows = await store._conn.execute_fetchall("PRAGMA synchronous")
-        assert list(rows) == [(expected,)]
-        rows = await store._conn.execute_fetchall("PRAGMA journal_mode")
-        assert list(rows) == [("wal",)]
+
+        def pragmas() -> list[tuple[object, ...]]:
+            return [
+                store._conn.execute(f"PRAGMA {name}").fetchone()
+                for name in ("synchronous", "journal_mode")
+            ]
+
+        on_its_thread = asyncio.get_running_loop().run_in_executor(store._thread, pragmas)
+        assert await on_its_thread == [(expected,), ("wal",)]
     finally:
         await store.close()
 
@@ -195,7 +202,7 @@ async def test_the_fence_cache_stays_bounded(
     try:
         for n in range(25):
             write = FencedWrite("r", f"j{n}", 1)
-            await store.admit(write)
+            await admit(store, write)
             await store.end_turn(write)
             assert len(store._fences) <= 11
         assert await store.generation("j3") == 1  # evicted, read again from the file

@@ -26,11 +26,13 @@ from typing import Any
 from ..errors import Refusal
 from ..fencing import Admit, Busy, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse
 from ..leasing import Lease, LeaseState
+from ..log import store_log
 
 __all__ = [
     "JobLocks",
     "LeaseChange",
     "Store",
+    "key_not_held",
     "key_record",
     "key_row",
     "lease_record",
@@ -53,12 +55,18 @@ class Store(abc.ABC):
         """This process's queue per job, in front of the store's in-flight records."""
 
     @abc.abstractmethod
-    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal | Busy:
+    async def admit(self, write: FencedWrite) -> tuple[Admit | Replay | Refusal | Busy, float]:
         """Decide ``write``. Admitted, it takes the job's in-flight record for
         ``write.hold`` seconds, raises the job's fence and marks its key in flight,
         in one transaction that has committed when this returns. A write that would
         be admitted while another write holds the record gets :class:`Busy`, and
-        nothing changes."""
+        nothing changes.
+
+        Also returns a ``time.monotonic()`` reading taken at or before the moment
+        the store's clock was read for this decision: the record lasts ``write.hold``
+        from no earlier than then. Time spent waiting for a connection or a batch
+        comes before it, so the proxy can tell a stall after the record was taken
+        (which must not send the write) from a queue before it (which is harmless)."""
 
     @abc.abstractmethod
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
@@ -165,6 +173,17 @@ class JobLocks:
             del self._locks[job]
         else:
             self._locks[job] = (lock, users - 1)
+
+
+def key_not_held(write: FencedWrite, what: str) -> None:
+    """Log that settling a key changed nothing: it was no longer this write's, in
+    flight (it expired and was purged, or another write took it over)."""
+    store_log.warning(
+        "could not %s key %r of job %r: it is no longer in flight for this write",
+        what,
+        write.key,
+        write.job,
+    )
 
 
 def lease_record(row: Any) -> Lease | None:

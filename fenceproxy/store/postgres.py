@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -36,7 +37,15 @@ from ..errors import Refusal, StoreError
 from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
 from ..leasing import Lease
 from ..log import store_log
-from .base import LeaseChange, Store, key_record, key_row, lease_record, lease_row
+from .base import (
+    LeaseChange,
+    Store,
+    key_not_held,
+    key_record,
+    key_row,
+    lease_record,
+    lease_row,
+)
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -145,13 +154,17 @@ SELECT k.state, k.fingerprint, k.status, k.headers, k.body,
        EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
                AND i.expires_at > {_NOW})
 FROM idempotency_keys k
-WHERE k.route = $2 AND k.job = $1 AND k.key = $3 AND k.expires_at > {_NOW}
+WHERE k.route = $2 AND k.job = $1 AND k.key = $3
+  AND (k.expires_at > {_NOW}
+       OR EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
+                  AND k.state = 'in_flight' AND i.expires_at > {_NOW}))
 """
 )
 _RAISE_FENCE = """
 INSERT INTO fences AS f (job, generation, updated_at) VALUES ($1, $2, $3)
 ON CONFLICT (job) DO UPDATE
     SET generation = GREATEST(f.generation, excluded.generation), updated_at = excluded.updated_at
+RETURNING generation
 """
 _LEASE = "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = $1"
 
@@ -175,12 +188,14 @@ class PostgresStore(Store):
         clock: Callable[[], float | None],
         purge_interval: float,
         where: str,
+        acquire_timeout: float = 5.0,
     ) -> None:
         super().__init__()
         self._pool = pool
         self._key_ttl = key_ttl
         self._clock = clock
         self._where = where
+        self._acquire_timeout = acquire_timeout
         self._closing = False
         self._purger = asyncio.create_task(
             self._purge_loop(purge_interval), name="fenceproxy-postgres-purge"
@@ -221,7 +236,14 @@ class PostgresStore(Store):
         if version != SCHEMA_VERSION:
             await pool.close()
             raise StoreError(_version_problem(where, version))
-        return cls(pool, key_ttl=key_ttl, clock=clock, purge_interval=purge_interval, where=where)
+        return cls(
+            pool,
+            key_ttl=key_ttl,
+            clock=clock,
+            purge_interval=purge_interval,
+            where=where,
+            acquire_timeout=connect_timeout,
+        )
 
     @staticmethod
     async def migrate(
@@ -259,9 +281,10 @@ class PostgresStore(Store):
 
     # -- the interface --------------------------------------------------------
 
-    async def admit(self, write: FencedWrite) -> Admit | Replay | Refusal | Busy:
-        async def tx(conn: _Conn) -> Admit | Replay | Refusal | Busy:
+    async def admit(self, write: FencedWrite) -> tuple[Admit | Replay | Refusal | Busy, float]:
+        async def tx(conn: _Conn) -> tuple[Admit | Replay | Refusal | Busy, float]:
             clock = self._clock()
+            recorded_at = time.monotonic()  # the record is dated after this
             _, got, state, expires = await _one(
                 conn, _TAKE_TURN, write.job, write.turn, write.hold, clock
             )
@@ -273,14 +296,12 @@ class PostgresStore(Store):
                 )
             decision = decide(write, current, record)
             if not isinstance(decision, Admit):
-                raise _Undo(decision)
+                raise _Undo((decision, recorded_at))
             if not got:
-                raise _Undo(
-                    Busy(
-                        retry_after=max(0.0, (expires or now) - now),
-                        unknown=state == "unknown",
-                    )
+                busy = Busy(
+                    retry_after=max(0.0, (expires or now) - now), unknown=state == "unknown"
                 )
+                raise _Undo((busy, recorded_at))
             if decision.raise_to is not None:
                 await conn.execute(_RAISE_FENCE, write.job, decision.raise_to, now)
             if write.key is not None:
@@ -294,7 +315,7 @@ class PostgresStore(Store):
                     " created_at = excluded.created_at, expires_at = excluded.expires_at",
                     *key_row(write, now, self._key_ttl),
                 )
-            return decision
+            return decision, recorded_at
 
         return await self._run(tx)
 
@@ -307,7 +328,8 @@ class PostgresStore(Store):
             else:
                 await conn.execute(
                     _sql(
-                        f"UPDATE inflight SET state = 'unknown', expires_at = {_NOW} + $3"
+                        "UPDATE inflight SET state = 'unknown',"
+                        f" expires_at = GREATEST(expires_at, {_NOW} + $3)"
                         " WHERE job = $1 AND holder = $2"
                     ),
                     write.job,
@@ -321,7 +343,7 @@ class PostgresStore(Store):
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         await self._update_key(
             write,
-            "state = 'completed', status = $5, headers = $6, body = $7",
+            "state = 'completed', status = $6, headers = $7, body = $8",
             response.status,
             json.dumps(response.headers),
             response.body,
@@ -332,7 +354,7 @@ class PostgresStore(Store):
 
     async def forget_key(self, write: FencedWrite) -> None:
         async def tx(conn: _Conn) -> None:
-            await conn.execute(
+            status = await conn.execute(
                 "DELETE FROM idempotency_keys WHERE route = $1 AND job = $2 AND key = $3"
                 " AND state = 'in_flight' AND holder = $4",
                 write.route,
@@ -340,6 +362,8 @@ class PostgresStore(Store):
                 write.key,
                 write.turn,
             )
+            if not _count(status):
+                key_not_held(write, "forget")
 
         await self._run(tx, transaction=False)
 
@@ -358,6 +382,11 @@ class PostgresStore(Store):
             now, fence = await _one(conn, _READ_FOR_CLAIM, job, self._clock())
             result = change(current, None if fence is None else int(fence), now)
             if isinstance(result, Lease) and result != current:
+                raised = await conn.fetchval(_RAISE_FENCE, job, result.generation, now)
+                if raised != result.generation:
+                    # A job with no fence row yet had nothing to lock: an admission
+                    # raised its fence meanwhile. Decide again on the fence it set.
+                    raise _Again
                 await conn.execute(
                     "INSERT INTO leases (job, owner, generation, lease_until, ttl, state,"
                     " updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7)"
@@ -366,10 +395,13 @@ class PostgresStore(Store):
                     " ttl = excluded.ttl, state = excluded.state, updated_at = excluded.updated_at",
                     *lease_row(result, now),
                 )
-                await conn.execute(_RAISE_FENCE, job, result.generation, now)
             return result, float(now)
 
-        return await self._run(tx)
+        while True:
+            try:
+                return await self._run(tx)
+            except _Again:
+                continue
 
     async def lease(self, job: str) -> tuple[Lease | None, float]:
         async def tx(conn: _Conn) -> tuple[Lease | None, float]:
@@ -416,7 +448,7 @@ class PostgresStore(Store):
         if self._closing:
             raise StoreError("the store is closed")
         try:
-            async with self._pool.acquire() as conn:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
                 if not transaction:
                     return await work(conn)
                 try:
@@ -430,15 +462,24 @@ class PostgresStore(Store):
 
     async def _update_key(self, write: FencedWrite, assignments: str, *values: Any) -> None:
         async def tx(conn: _Conn) -> None:
-            await conn.execute(
-                f"UPDATE idempotency_keys SET {assignments} WHERE route = $1 AND job = $2"
-                " AND key = $3 AND state = 'in_flight' AND holder = $4",
+            # Remembered for the key's time from its outcome, however long it was in flight.
+            status = await conn.execute(
+                _sql(
+                    f"UPDATE idempotency_keys SET {assignments},"
+                    f" expires_at = GREATEST(expires_at, {_NOW} + $5)"
+                    " WHERE route = $1 AND job = $2 AND key = $3 AND state = 'in_flight'"
+                    " AND holder = $4"
+                ),
                 write.route,
                 write.job,
                 write.key,
                 write.turn,
+                self._key_ttl,
                 *values,
+                self._clock(),
             )
+            if not _count(status):
+                key_not_held(write, "settle")
 
         await self._run(tx, transaction=False)
 
@@ -451,6 +492,10 @@ class PostgresStore(Store):
                 continue
             if removed:
                 store_log.info("purged %d expired idempotency keys and in-flight records", removed)
+
+
+class _Again(Exception):
+    """Roll the transaction back and run it again."""
 
 
 class _Undo(Exception):

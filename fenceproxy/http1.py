@@ -1,0 +1,251 @@
+"""A lean HTTP/1.1 client for the upstreams, and the one boundary where its failures
+become :class:`~fenceproxy.errors.UpstreamError`.
+
+One pool of keep-alive connections per upstream origin. A request's head goes out in
+one buffer (with its body when the body is buffered); the answer is parsed by
+aiohttp's own response parser (its C build where installed), the same parser and
+connection protocol aiohttp's ``ClientSession`` uses, without the session's
+per-request machinery (request objects, connector bookkeeping, timer contexts,
+tracing, cookies, redirects).
+
+The client adds nothing the caller did not ask for but ``Host`` and the body's
+framing, never follows a redirect, never decompresses, and never sends a request
+twice. A connection goes back to its pool only once its answer was read to the end
+and both sides keep it open; an answer that is malformed, cut short, timed out or
+abandoned closes it, and so does anything the upstream sends unasked.
+
+What a failure means for a write (``UpstreamError.sent``): only a failure to
+connect is known to have sent nothing. Once a byte of the request may have left,
+the upstream may apply it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator
+
+from aiohttp.client_exceptions import ClientError
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http import HttpVersion, RawResponseMessage, StreamWriter
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from .errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
+
+__all__ = ["Origin", "UpstreamResponse", "map_failure"]
+
+# Methods whose empty body goes without a Content-Length, as aiohttp's client does.
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# Idle connections kept per origin, and for how long: less than the common upstream
+# keep-alive timeouts (aiohttp 75 s, nginx 75 s, Node 5 s is the outlier), so a
+# connection is rarely reused at the moment the upstream closes it.
+_IDLE_MAX = 256
+_IDLE_FOR = 4.0
+# The answer's limits: aiohttp's client defaults.
+_MAX_LINE = 8190
+_MAX_FIELD = 8190
+_MAX_HEADERS = 128
+
+
+def map_failure(exc: BaseException) -> UpstreamError:
+    """What a failure met after the request may have left means to the caller."""
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, TimeoutError):  # aiohttp's read timeout is one too
+        return UpstreamTimeout("the upstream did not answer in time; it may have applied the write")
+    if isinstance(exc, HttpProcessingError):
+        reason = str(exc.message).splitlines()[0] if exc.message else "unparseable"
+        return UpstreamFailed(
+            f"the upstream's answer was malformed ({reason}); it may have applied the write"
+        )
+    return UpstreamFailed(
+        f"the upstream connection failed after the request was sent ({type(exc).__name__}); "
+        "it may have applied the write"
+    )
+
+
+# What an upstream connection can raise once it is open: aiohttp's client errors
+# (the parser's, the protocol's), the socket's, and the read timeout.
+_FAILURES = (ClientError, HttpProcessingError, OSError, TimeoutError)
+
+
+class UpstreamResponse:
+    """The upstream's status and headers; the body is read with :meth:`chunks` or
+    :meth:`read_capped`. :meth:`release` must be called once done with it: it gives
+    the connection back to its pool when the answer was read to the end, and closes
+    it otherwise."""
+
+    __slots__ = ("_conn", "_origin", "_payload", "headers", "reason", "status", "version")
+
+    def __init__(
+        self,
+        message: RawResponseMessage,
+        payload: StreamReader,
+        conn: ResponseHandler,
+        origin: Origin,
+    ) -> None:
+        self.status: int = message.code
+        self.reason: str = message.reason
+        self.version: HttpVersion = message.version
+        self.headers: CIMultiDictProxy[str] = message.headers
+        self._payload = payload
+        self._conn: ResponseHandler | None = conn
+        self._origin = origin
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives. Raises UpstreamError if the upstream breaks off."""
+        payload = self._payload
+        try:
+            while chunk := await payload.readany():
+                yield chunk
+        except _FAILURES as exc:
+            raise map_failure(exc) from exc
+
+    async def read_capped(self, cap: int) -> tuple[bytes, bool]:
+        """Up to a little over ``cap`` bytes of the body, and whether that is all of it."""
+        data = bytearray()
+        async for chunk in self.chunks():
+            data += chunk
+            if len(data) > cap:
+                return bytes(data), False
+        return bytes(data), True
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._payload.is_eof() and self._payload.exception() is None:
+            self._origin.put(conn)
+        else:
+            conn.close()
+
+
+class Origin:
+    """Keep-alive connections to one upstream origin (scheme, host, port)."""
+
+    def __init__(self, url: URL) -> None:
+        assert url.host is not None
+        self.host = url.host
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self._ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if url.scheme == "https" else None
+        )
+        default_port = url.port is None or url.is_default_port()
+        host = f"[{url.host}]" if ":" in url.host else url.host
+        self.authority = host if default_port else f"{host}:{self.port}"
+        self._idle: deque[tuple[ResponseHandler, float]] = deque()
+        self.opened = 0
+        """Connections opened so far; how tests see that one was reused."""
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: CIMultiDict[str],
+        body: bytes | AsyncIterable[bytes] | None,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> UpstreamResponse:
+        """Send a request and return once the upstream's status and headers are in.
+
+        ``headers`` are sent as given, after ``Host``; the body's framing is set here:
+        ``Content-Length`` for bytes (or a stream whose length the caller put in
+        ``headers``), chunked for any other stream. ``read_timeout`` bounds each wait
+        for the upstream once the request is out. Raises UpstreamError, or whatever
+        the body stream raises (the connection is closed then).
+        """
+        conn = await self._connect(connect_timeout)
+        try:
+            conn.set_response_params(
+                skip_payload=method == "HEAD",
+                auto_decompress=False,
+                read_timeout=read_timeout,
+                max_line_size=_MAX_LINE,
+                max_field_size=_MAX_FIELD,
+                max_headers=_MAX_HEADERS,
+            )
+            writer = StreamWriter(conn, conn._loop)
+            out: CIMultiDict[str] = CIMultiDict(Host=self.authority)
+            out.extend(headers)
+            if isinstance(body, bytes | bytearray):
+                out["Content-Length"] = str(len(body))
+            elif body is None:
+                if method not in _BODILESS:
+                    out["Content-Length"] = "0"
+            elif "Content-Length" not in out:
+                out["Transfer-Encoding"] = "chunked"
+                writer.enable_chunking()
+            await writer.write_headers(f"{method} {target} HTTP/1.1", out)
+            if body is None or isinstance(body, bytes | bytearray):
+                await writer.write_eof(body or b"")
+            else:
+                async for chunk in body:
+                    await writer.write(chunk)
+                await writer.write_eof()
+            conn.start_timeout()
+            while True:
+                message, payload = await conn.read()
+                # Interim answers (100 Continue and the like) are not the answer.
+                if not 100 <= message.code < 200 or message.code == 101:
+                    break
+        except _FAILURES as exc:
+            conn.close()
+            raise map_failure(exc) from exc
+        except BaseException:
+            conn.close()  # cancelled, or the body stream failed: the exchange is cut
+            raise
+        if message.code == 101:
+            conn.close()
+            raise UpstreamFailed("the upstream switched protocols, which is not proxied")
+        return UpstreamResponse(message, payload, conn, self)
+
+    def put(self, conn: ResponseHandler) -> None:
+        """Keep a connection whose last answer was read to its end, if both sides may
+        go on with it."""
+        if conn.should_close or not conn.is_connected() or len(self._idle) >= _IDLE_MAX:
+            conn.close()
+            return
+        self._idle.append((conn, time.monotonic()))
+
+    async def _connect(self, connect_timeout: float) -> ResponseHandler:
+        """The most recently used idle connection still open, or a new one."""
+        now = time.monotonic()
+        while self._idle:
+            conn, since = self._idle.pop()
+            if now - since < _IDLE_FOR and conn.is_connected() and not conn.should_close:
+                return conn
+            conn.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: ResponseHandler(loop),
+                    self.host,
+                    self.port,
+                    ssl=self._ssl,
+                    server_hostname=self.host if self._ssl is not None else None,
+                )
+        except TimeoutError:
+            raise UpstreamUnreachable(
+                f"could not connect to the upstream within {connect_timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamUnreachable(
+                f"could not connect to the upstream: {exc.strerror or type(exc).__name__}"
+            ) from exc
+        self.opened += 1
+        return conn
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop()[0].close()
