@@ -106,6 +106,13 @@ class UpstreamResponse:
         except _FAILURES as exc:
             raise map_failure(exc) from exc
 
+    def received_whole(self) -> bytes | None:
+        """The rest of the body if every byte of it has arrived, else None."""
+        payload = self._payload
+        if not payload.is_eof() or payload.exception() is not None:
+            return None
+        return payload.read_nowait()
+
     async def read_capped(self, cap: int) -> tuple[bytes, bool]:
         """Up to a little over ``cap`` bytes of the body, and whether that is all of it."""
         data = bytearray()

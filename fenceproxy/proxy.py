@@ -92,6 +92,9 @@ T = TypeVar("T")
 _Outcome = StoredResponse | Literal["unknown", "not-sent"]
 PROBLEM_JSON = "application/problem+json"
 _CHUNK = 64 * 1024
+# An unfenced body up to this size is read whole and sent in one piece, as nginx
+# buffers request bodies; a longer or chunked one is streamed through.
+_BUFFERED = 64 * 1024
 _SETTLE_RETRY = 1.0
 # An admitted write is sent only this soon after its admission was asked for: its
 # in-flight record lasts the route's timeout plus quarantine plus this.
@@ -178,10 +181,15 @@ class Proxy:
         self, request: web.BaseRequest, route: Route, target: str
     ) -> web.StreamResponse:
         _check_length(request, route)
-        stream = _LimitedBody(request, route.max_body) if request.body_exists else None
-        headers = forwarded_headers(request, self._trusted, request.content_length)
+        length = request.content_length
+        body: bytes | _LimitedBody | None = None
+        if length is not None and length <= _BUFFERED:
+            body = await _read_limited(request, route)  # one write to the upstream
+        elif request.body_exists:
+            body = _LimitedBody(request, route.max_body)
+        headers = forwarded_headers(request, self._trusted, length)
         try:
-            upstream = await self._upstreams.send(route, request.method, target, headers, stream)
+            upstream = await self._upstreams.send(route, request.method, target, headers, body)
         except BodyTooLarge:
             raise _body_too_large(route) from None
         try:
@@ -279,11 +287,14 @@ class Proxy:
         answer, whole = b"", True
         deadline = time.monotonic() + route.timeout
         lock = self._store.job_lock(write.job)
-        try:
-            async with asyncio.timeout(route.timeout):
-                await lock.__aenter__()
-        except TimeoutError:
-            raise _waited_too_long(write, retry_after=1.0) from None
+        if self._store.locks.users(write.job):  # queue behind this process's writes of it
+            try:
+                async with asyncio.timeout(route.timeout):
+                    await lock.__aenter__()
+            except TimeoutError:
+                raise _waited_too_long(write, retry_after=1.0) from None
+        else:
+            await lock.__aenter__()  # free: taken at once
         upstream: UpstreamResponse | None = None
         try:
             decision, recorded_at = await self._admit(write, route, deadline)
@@ -567,6 +578,10 @@ def _waited_too_long(write: FencedWrite, *, retry_after: float) -> JobQuarantine
     )
 
 
+# Answers whose framing says more than their (empty) body: relayed as they came.
+_NO_BODY = frozenset({204, 304})
+
+
 def _answer(upstream: UpstreamResponse, body: bytes) -> web.Response:
     headers = response_headers(upstream)
     headers.popall("Content-Length", None)
@@ -585,7 +600,12 @@ async def _relay(
 ) -> web.StreamResponse:
     """Stream the upstream's answer (after ``prefix``, already read from it) to the
     client. If the upstream breaks off mid-answer the client's connection is closed,
-    so the client never takes a cut answer for a whole one."""
+    so the client never takes a cut answer for a whole one. An answer already in
+    whole (the common small one) goes out in one piece."""
+    if request.method != "HEAD" and upstream.status not in _NO_BODY:
+        whole = upstream.received_whole()
+        if whole is not None:
+            return _answer(upstream, prefix + whole)
     response = web.StreamResponse(
         status=upstream.status, reason=upstream.reason, headers=response_headers(upstream)
     )

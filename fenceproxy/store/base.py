@@ -74,7 +74,8 @@ class Store(abc.ABC):
         was never sent. With ``unknown_for``, it was sent and its outcome is unknown:
         the record stays, marked unknown, for that many seconds from now, so no newer
         write of the job can overtake it at the upstream. A record this write no
-        longer holds is left alone."""
+        longer holds is left alone. A backend may return before the change is on
+        disk, as long as every later operation of this process sees it."""
 
     @abc.abstractmethod
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:

@@ -255,7 +255,11 @@ class SQLiteStore(Store):
                     (self._clock() + unknown_for, write.job, write.turn),
                 )
 
-        await self._submit(op)
+        # Not waited for: the record only ever holds its job back, so its clearing
+        # need not be on disk before the answer goes out (after a crash the record is
+        # back, and the job waits until it expires). It commits with the next batch,
+        # before any later operation of this store reads it.
+        self._enqueue(op).add_done_callback(_log_failure)
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         headers = json.dumps(response.headers)
@@ -361,12 +365,15 @@ class SQLiteStore(Store):
         await self._submit(op)
 
     async def _submit(self, op: _Op) -> Any:
+        return await self._enqueue(op)
+
+    def _enqueue(self, op: _Op) -> asyncio.Future[Any]:
         if self._closing or self._writer.done():
             raise StoreError("the store is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((op, future))
         self._wake.set()
-        return await future
+        return future
 
     async def _write_loop(self) -> None:
         try:
@@ -489,6 +496,11 @@ class _Batch:
             (job, generation, now),
         )
         self.fences[job] = max(generation, self.fence(job) or 0)
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        store_log.error("could not clear an in-flight record (it expires by itself): %s", exc)
 
 
 async def _open(
