@@ -35,7 +35,6 @@ Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, TypeVar
@@ -77,6 +76,7 @@ from .http1 import UpstreamResponse
 from .log import proxy_log
 from .routes import Route, Router
 from .store import Store
+from .store.base import to_completion
 from .upstream import (
     TrustedProxies,
     UpstreamPool,
@@ -383,34 +383,21 @@ class Proxy:
         self, write: FencedWrite, route: Route
     ) -> tuple[Admit | Replay | Busy, float]:
         """One admission; a refusal is raised. If the request is cancelled meanwhile,
-        what the store took is given back: nothing was sent."""
-        admitting = asyncio.ensure_future(self._store.admit(write))
+        the store gives back what it took: nothing was sent."""
         try:
-            decision, recorded_at = await asyncio.shield(admitting)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                if isinstance((await admitting)[0], Admit):
-                    if write.key is not None:
-                        await self._settle(write, "not-sent")
-                    await self._end_turn(write, route, unknown=False)
-            raise
+            decision, recorded_at = await self._store.admit(write)
         except StoreError as exc:
             proxy_log.error("store failed, refusing the write: %s", exc)
             # The store may have committed what it could not confirm (a lost reply):
             # give back whatever this write took, so neither its job nor its key waits
             # out the record. Nothing was sent.
-            self._retry_later(lambda: self._give_back(write), first=0.0)
+            self._retry_later(lambda: self._store.give_back(write), first=0.0)
             raise StoreUnavailable(
                 "the fencing store could not record this write; nothing was forwarded"
             ) from exc
         if isinstance(decision, Refusal):
             raise decision
         return decision, recorded_at
-
-    async def _give_back(self, write: FencedWrite) -> None:
-        if write.key is not None:
-            await self._store.forget_key(write)
-        await self._store.end_turn(write)
 
     async def _end_turn(self, write: FencedWrite, route: Route, *, unknown: bool) -> None:
         """Give the job's in-flight record back, or keep it for the route's quarantine
@@ -422,7 +409,7 @@ class Proxy:
             )
         unknown_for = route.quarantine if unknown else None
         try:
-            await _shielded(self._store.end_turn(write, unknown_for=unknown_for))
+            await self._store.end_turn(write, unknown_for=unknown_for)
         except StoreError as exc:
             # Until it is cleared, the record holds the job: retried in the background.
             proxy_log.error("could not clear job %r's in-flight record: %s", write.job, exc)
@@ -436,7 +423,7 @@ class Proxy:
         assert write.fingerprint is not None
         slot = (write.route, write.job, write.key)
         try:
-            await _shielded(self._store_settlement(write, outcome))
+            await to_completion(self._store_settlement(write, outcome))
         except StoreError as exc:
             proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
             self._keys[slot] = _record(write.fingerprint, outcome)
@@ -512,17 +499,6 @@ def _record(fp: bytes, outcome: _Outcome) -> KeyRecord:
     if isinstance(outcome, StoredResponse):
         return KeyRecord(KeyState.COMPLETED, fp, outcome)
     return KeyRecord(KeyState.UNKNOWN, fp)
-
-
-async def _shielded(work: Awaitable[T]) -> T:
-    """Finish a store write even if the request is being cancelled."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
-        raise
 
 
 def _body_too_large(route: Route) -> BodyTooLarge:

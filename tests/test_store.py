@@ -355,3 +355,27 @@ async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
     finally:
         await other.close()
         await store.close()
+
+
+async def test_an_admission_whose_caller_is_cancelled_is_given_back(store: Store) -> None:
+    """A request cut off while the store admits its write never sends it: whatever the
+    admission took, at whichever point it was cut off, neither the job nor the key
+    waits out the write's record."""
+    cancelled = 0
+    for n, delay in enumerate([0.0, 0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02]):
+        job = f"cut-{n}"
+        task = asyncio.create_task(admit(store, keyed(job, 5, "k")))
+        for _ in range(n if delay == 0.0 else 0):
+            await asyncio.sleep(0)
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            assert isinstance(await task, Admit)  # finished before the cut: nothing to undo
+            await store.give_back(keyed(job, 5, "k"))  # not sent either, as a caller would
+            continue
+        except asyncio.CancelledError:
+            cancelled += 1
+        retry = keyed(job, 5, "k")
+        assert isinstance(await admit(store, retry), Admit), f"cut after {delay}s"
+        await store.end_turn(retry)
+    assert cancelled, "no admission was cut off: the test proves nothing"

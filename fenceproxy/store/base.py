@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import Refusal
 from ..fencing import Admit, Busy, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse
@@ -37,7 +38,10 @@ __all__ = [
     "key_row",
     "lease_record",
     "lease_row",
+    "to_completion",
 ]
+
+T = TypeVar("T")
 
 LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
 """A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
@@ -66,7 +70,10 @@ class Store(abc.ABC):
         the store's clock was read for this decision: the record lasts ``write.hold``
         from no earlier than then. Time spent waiting for a connection or a batch
         comes before it, so the proxy can tell a stall after the record was taken
-        (which must not send the write) from a queue before it (which is harmless)."""
+        (which must not send the write) from a queue before it (which is harmless).
+
+        Cancelling the caller does not cut the admission short: it completes, and
+        what it took is given back (:meth:`give_back`), since nothing was sent."""
 
     @abc.abstractmethod
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
@@ -74,8 +81,9 @@ class Store(abc.ABC):
         was never sent. With ``unknown_for``, it was sent and its outcome is unknown:
         the record stays, marked unknown, for that many seconds from now, so no newer
         write of the job can overtake it at the upstream. A record this write no
-        longer holds is left alone. A backend may return before the change is on
-        disk, as long as every later operation of this process sees it."""
+        longer holds is left alone. Cancelling the caller does not stop it. A backend
+        may return before the change is on disk, as long as every later operation of
+        this process sees it."""
 
     @abc.abstractmethod
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
@@ -88,6 +96,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def mark_unknown(self, write: FencedWrite) -> None:
         """Record that an admitted keyed write was sent and its outcome is unknown."""
+
+    async def give_back(self, write: FencedWrite) -> None:
+        """Undo the admission of a write that was never sent: its key is released, its
+        in-flight record given back. Either one it no longer holds is left alone."""
+        if write.key is not None:
+            await self.forget_key(write)
+        await self.end_turn(write)
 
     @abc.abstractmethod
     async def generation(self, job: str) -> int | None:
@@ -174,6 +189,18 @@ class JobLocks:
             del self._locks[job]
         else:
             self._locks[job] = (lock, users - 1)
+
+
+async def to_completion(work: Awaitable[T]) -> T:
+    """Await ``work``, which runs to its end even if the caller is cancelled meanwhile
+    (the caller still sees the cancellation, once ``work`` is done)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
 
 
 def key_not_held(write: FencedWrite, what: str) -> None:

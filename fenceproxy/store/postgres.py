@@ -45,6 +45,7 @@ from .base import (
     key_row,
     lease_record,
     lease_row,
+    to_completion,
 )
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
@@ -317,7 +318,14 @@ class PostgresStore(Store):
                 )
             return decision, recorded_at
 
-        return await self._run(tx)
+        admitting = asyncio.ensure_future(self._run(tx))
+        try:
+            return await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                if isinstance((await admitting)[0], Admit):
+                    await self.give_back(write)
+            raise
 
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
         async def tx(conn: _Conn) -> None:
@@ -338,7 +346,7 @@ class PostgresStore(Store):
                     self._clock(),
                 )
 
-        await self._run(tx, transaction=False)
+        await to_completion(self._run(tx, transaction=False))
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         await self._update_key(

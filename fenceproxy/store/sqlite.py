@@ -240,7 +240,14 @@ class SQLiteStore(Store):
                 )
             return decision, recorded_at
 
-        return await self._submit(op)  # type: ignore[no-any-return]
+        admitting = self._enqueue(op)
+        try:
+            return await admitting  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            # The admission still runs in its batch. Undone right after it, in order,
+            # whatever it took: rows held by this write's turn, which nothing else holds.
+            self._enqueue(lambda tx: _give_back(tx, write)).add_done_callback(_log_failure)
+            raise
 
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
         def op(tx: _Batch) -> None:
@@ -496,6 +503,17 @@ class _Batch:
             (job, generation, now),
         )
         self.fences[job] = max(generation, self.fence(job) or 0)
+
+
+def _give_back(tx: _Batch, write: FencedWrite) -> None:
+    """Drop the in-flight record and the key ``write``'s turn holds, if any."""
+    tx.write("DELETE FROM inflight WHERE job = ? AND holder = ?", (write.job, write.turn))
+    if write.key is not None:
+        tx.write(
+            "DELETE FROM idempotency_keys WHERE route = ? AND job = ? AND key = ?"
+            " AND state = 'in_flight' AND holder = ?",
+            (write.route, write.job, write.key, write.turn),
+        )
 
 
 def _log_failure(future: asyncio.Future[Any]) -> None:
