@@ -515,6 +515,13 @@ def _check_length(request: web.BaseRequest, route: Route) -> None:
 
 
 async def _read_limited(request: web.BaseRequest, route: Route) -> bytes:
+    content = request.content
+    if content.is_eof() and content.exception() is None:
+        # Arrived whole with the request head, as a small body does: no loop.
+        body = content.read_nowait()
+        if len(body) > route.max_body:
+            raise _body_too_large(route)
+        return body
     body = bytearray()
     async for chunk in request.content.iter_chunked(_CHUNK):
         body += chunk

@@ -47,8 +47,13 @@ def postgres_bin() -> Path | None:
 class PostgresServer:
     """One PostgreSQL cluster in ``directory``, owned by whoever runs it."""
 
-    def __init__(self, directory: Path, bin_dir: Path, user: str = "fenceproxy") -> None:
+    def __init__(
+        self, directory: Path, bin_dir: Path, user: str = "fenceproxy", durable: bool = False
+    ) -> None:
+        """``durable`` keeps PostgreSQL's fsync on (a benchmark's setting); the tests
+        turn it off, since they crash the server, not the machine."""
         self.directory = directory
+        self.durable = durable
         self.bin = bin_dir
         self.user = user
         with socket.socket() as s:
@@ -60,9 +65,10 @@ class PostgresServer:
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
 
-    def _run(self, *argv: str) -> None:
+    def _run(self, *argv: str, wrapper: list[str] | None = None) -> None:
         result = subprocess.run(
-            [*self._as, *argv], capture_output=True, text=True, check=False, timeout=120
+            [*(wrapper or []), *self._as, *argv],
+            capture_output=True, text=True, check=False, timeout=120,
         )
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout}{result.stderr}")
@@ -76,14 +82,16 @@ class PostgresServer:
         )  # fmt: skip
         return self
 
-    def start(self) -> PostgresServer:
+    def start(self, wrapper: list[str] | None = None) -> PostgresServer:
+        """Start it; ``wrapper`` is a command prefix for its processes (``taskset``)."""
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.directory} "
-            "-c fsync=off -c max_connections=200"
+            f"-c max_connections=200{'' if self.durable else ' -c fsync=off'}"
         )
         self._run(
             str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", options,
             "-l", str(self.directory / "server.log"), "-w", "-t", "60", "start",
+            wrapper=wrapper,
         )  # fmt: skip
         return self
 
