@@ -115,6 +115,9 @@ class UpstreamResponse:
 
     async def read_capped(self, cap: int) -> tuple[bytes, bool]:
         """Up to a little over ``cap`` bytes of the body, and whether that is all of it."""
+        whole = self.received_whole()
+        if whole is not None:
+            return whole, len(whole) <= cap
         data = bytearray()
         async for chunk in self.chunks():
             data += chunk

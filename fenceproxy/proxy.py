@@ -76,7 +76,6 @@ from .http1 import UpstreamResponse
 from .log import proxy_log
 from .routes import Route, Router
 from .store import Store
-from .store.base import to_completion
 from .upstream import (
     TrustedProxies,
     UpstreamPool,
@@ -423,7 +422,7 @@ class Proxy:
         assert write.fingerprint is not None
         slot = (write.route, write.job, write.key)
         try:
-            await to_completion(self._store_settlement(write, outcome))
+            await self._store_settlement(write, outcome)
         except StoreError as exc:
             proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
             self._keys[slot] = _record(write.fingerprint, outcome)
@@ -518,10 +517,10 @@ async def _read_limited(request: web.BaseRequest, route: Route) -> bytes:
     content = request.content
     if content.is_eof() and content.exception() is None:
         # Arrived whole with the request head, as a small body does: no loop.
-        body = content.read_nowait()
-        if len(body) > route.max_body:
+        whole = content.read_nowait()
+        if len(whole) > route.max_body:
             raise _body_too_large(route)
-        return body
+        return whole
     body = bytearray()
     async for chunk in request.content.iter_chunked(_CHUNK):
         body += chunk

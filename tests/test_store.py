@@ -379,3 +379,19 @@ async def test_an_admission_whose_caller_is_cancelled_is_given_back(store: Store
         assert isinstance(await admit(store, retry), Admit), f"cut after {delay}s"
         await store.end_turn(retry)
     assert cancelled, "no admission was cut off: the test proves nothing"
+
+
+async def test_a_settlement_whose_caller_is_cancelled_still_lands(store: Store) -> None:
+    """What became of a keyed write does not change when its request is cut off: the
+    answer is recorded, and a retry of the key is replayed, never sent again."""
+    write = keyed("settled", 5, "k")
+    assert isinstance(await admit(store, write), Admit)
+    task = asyncio.create_task(store.complete_key(write, StoredResponse(201, (), b"made")))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await store.end_turn(write)
+    replay = await admit(store, keyed("settled", 5, "k"))
+    assert isinstance(replay, Replay)
+    assert (replay.response.status, replay.response.body) == (201, b"made")

@@ -85,6 +85,9 @@ class Store(abc.ABC):
         may return before the change is on disk, as long as every later operation of
         this process sees it."""
 
+    # What became of a keyed write: each runs to its end even if the caller is
+    # cancelled, since the write's fate does not change with the request's.
+
     @abc.abstractmethod
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         """Record the upstream's answer to an admitted keyed write, for replay."""

@@ -373,7 +373,7 @@ class PostgresStore(Store):
             if not _count(status):
                 key_not_held(write, "forget")
 
-        await self._run(tx, transaction=False)
+        await to_completion(self._run(tx, transaction=False))
 
     async def generation(self, job: str) -> int | None:
         async def tx(conn: _Conn) -> int | None:
@@ -489,7 +489,7 @@ class PostgresStore(Store):
             if not _count(status):
                 key_not_held(write, "settle")
 
-        await self._run(tx, transaction=False)
+        await to_completion(self._run(tx, transaction=False))
 
     async def _purge_loop(self, interval: float) -> None:
         while True:
