@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test servers lint typecheck pytest chaos audit clean
+.PHONY: demo test servers lint typecheck pytest chaos bench audit clean
 
 # The long fault-injection run: make chaos DURATION=600 WORKERS=8 JOBS=3 SEED=1
 DURATION ?= 300
@@ -31,8 +31,8 @@ demo: $(STAMP)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check fenceproxy tests
-	$(BIN)/ruff format --check fenceproxy tests
+	$(BIN)/ruff check fenceproxy tests bench
+	$(BIN)/ruff format --check fenceproxy tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -62,6 +62,17 @@ servers:
 chaos: $(STAMP)
 	$(CHAOS)
 	$(CHAOS) --proxy-command "$(BIN)/python tests/broken_fence.py" --expect-violations
+
+## fenceproxy beside nginx and the bare upstream, driven by wrk, one table of ratios:
+## make bench BENCH_ARGS="--rounds 5 --no-postgres". Installs wrk when missing (as root).
+BENCH_ARGS ?=
+bench: $(STAMP) servers
+	@command -v wrk >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends wrk >/dev/null; \
+	  else echo "wrk is not installed"; exit 1; fi; }
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 ## Known vulnerabilities in the installed dependencies fail the build. Needs PyPI's
 ## JSON API; --strict fails rather than passing when a dependency cannot be audited.

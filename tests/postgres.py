@@ -68,7 +68,10 @@ class PostgresServer:
     def _run(self, *argv: str, wrapper: list[str] | None = None) -> None:
         result = subprocess.run(
             [*(wrapper or []), *self._as, *argv],
-            capture_output=True, text=True, check=False, timeout=120,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
         )
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout}{result.stderr}")

@@ -1,0 +1,51 @@
+-- wrk's load for every setup of bench/run.py: fenced POSTs rotating over job ids.
+--   wrk -s bench/load.lua URL -- PATH JOBS OFFSET GENERATION KEYS
+-- PATH      the request path
+-- JOBS      how many distinct job ids (job-0 .. job-(JOBS-1)); OFFSET is the first
+-- GENERATION  a fixed token, or "raise:BASE": BASE + a counter, so every write
+--           raises its job's generation (BASE must exceed every earlier run's)
+-- KEYS      "keys:BASE" gives each write its own Idempotency-Key; "-" gives none
+-- Every setup, the baselines included, sends these same requests, so wrk's own cost
+-- is the same in each. done() prints one JSON line for the runner.
+
+local path, jobs, offset, fixed, raise_base, key_base
+local counter = 0
+local body = '{"amount": 1}'
+
+function init(args)
+   path = args[1]
+   jobs = tonumber(args[2])
+   offset = tonumber(args[3])
+   local generation = args[4]
+   if generation:sub(1, 6) == "raise:" then
+      raise_base = tonumber(generation:sub(7))
+   else
+      fixed = generation
+   end
+   if args[5]:sub(1, 5) == "keys:" then
+      key_base = args[5]:sub(6)
+   end
+end
+
+function request()
+   counter = counter + 1
+   local headers = {
+      ["Content-Type"] = "application/json",
+      ["Fencing-Job"] = "job-" .. ((offset + counter) % jobs),
+      ["Fencing-Token"] = fixed or string.format("%d", raise_base + counter),
+   }
+   if key_base then
+      headers["Idempotency-Key"] = key_base .. "-" .. counter
+   end
+   return wrk.format("POST", path, headers, body)
+end
+
+function done(summary, latency, requests)
+   local e = summary.errors
+   io.write(string.format(
+      '{"requests": %d, "duration_us": %d, "non2xx": %d, "socket_errors": %d, '
+      .. '"p50_us": %d, "p99_us": %d}\n',
+      summary.requests, summary.duration, e.status,
+      e.connect + e.read + e.write + e.timeout,
+      latency:percentile(50), latency:percentile(99)))
+end

@@ -1,0 +1,546 @@
+"""fenceproxy beside nginx and the bare upstream, driven by wrk, in one run.
+
+Starts on loopback a minimal aiohttp upstream (``bench/upstream.py``), nginx as the
+pass-through baseline (one worker, upstream keep-alive), and fenceproxy once per
+setup, each with its own store; then drives every setup with wrk (``-t1``, fenced
+POSTs of ``bench/load.lua``) in interleaved rounds, so machine noise hits them all
+alike. A 1 s warm-up before each measured run is discarded.
+
+On two cores or more the server under test runs alone on core 0, and wrk and the
+upstream share core 1; "direct" moves the upstream to core 0 for its run. A ratio
+to direct is then the proxy's throughput on one core against a minimal aiohttp
+server's on one core. CPU per request is the server's ``utime + stime`` from
+``/proc`` over the run (PostgreSQL's processes included on that store) divided by
+the requests served: steadier than req/s, and where a target is missed it shows why.
+
+    python bench/run.py [--rounds 3] [--seconds 5] [--connections 32]
+                        [--no-postgres] [--only NAME,...] [--json FILE]
+
+Exits 1 when a setup answered anything but 2xx, or failed to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository's tests/ helpers
+
+from tests.nginx import NGINX  # noqa: E402
+from tests.postgres import PostgresServer, postgres_bin, sql  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+TWO_CORES = (os.cpu_count() or 1) >= 2
+SERVER_CORE, LOAD_CORE = ({0}, {1}) if TWO_CORES else (None, None)
+MILLION = 1_000_000
+
+
+@dataclass(frozen=True)
+class Load:
+    """What wrk sends: see bench/load.lua."""
+
+    path: str = "/w/x"
+    jobs: int = 1_000
+    raise_generation: bool = False
+    keys: bool = False
+
+    def args(self, base: int) -> list[str]:
+        generation = f"raise:{base}" if self.raise_generation else "1"
+        # A different stretch of a million jobs each run, so each run's are uncached.
+        offset = base % self.jobs if self.jobs >= MILLION else 0
+        keys = f"keys:{base}" if self.keys else "-"
+        return [self.path, str(self.jobs), str(offset), generation, keys]
+
+
+@dataclass
+class Setup:
+    """One row of the table: the servers under test, and the load driven at them."""
+
+    name: str
+    urls: list[str]  # one wrk per URL, the connections split between them
+    pids: Callable[[], list[int]]  # the processes whose CPU is the server's
+    memory_pids: Callable[[], list[int]]  # the processes whose peak RSS is reported
+    load: Load = field(default_factory=Load)
+    before: Callable[[], None] = lambda: None
+    after: Callable[[], None] = lambda: None
+    runs: list[dict[str, float]] = field(default_factory=list)
+
+
+# ---- processes -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{what} exited {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"{what} did not listen on {port} within 30 s")
+
+
+def pin(pid: int, cores: set[int] | None) -> None:
+    """Every thread of ``pid`` onto ``cores``."""
+    if cores is None:
+        return
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task), cores)
+
+
+def pinned(cores: set[int] | None) -> list[str]:
+    return [] if cores is None else ["taskset", "-c", ",".join(map(str, sorted(cores)))]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of each process, and of its children it has waited for."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(f) for f in fields[11:15])
+    return total / TICK
+
+
+def peak_rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
+class Processes:
+    """Every process the run starts, killed at the end whatever happens."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        self, name: str, argv: list[str], port: int, cores: set[int] | None
+    ) -> subprocess.Popen[bytes]:
+        log = open(self.directory / f"{name}.log", "wb")  # noqa: SIM115 (lives with it)
+        process = subprocess.Popen([*pinned(cores), *argv], stdout=log, stderr=log)
+        self.started.append(process)
+        try:
+            wait_for_port(port, process, name)
+        except SystemExit:
+            print((self.directory / f"{name}.log").read_text()[-2000:], file=sys.stderr)
+            raise
+        return process
+
+    def stop(self) -> None:
+        for process in reversed(self.started):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def nginx_config(directory: Path, port: int, upstream: int) -> Path:
+    temp = " ".join(
+        f"{kind}_temp_path {directory / kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    config = directory / "nginx.conf"
+    config.write_text(f"""
+daemon off; master_process off; worker_processes 1;
+pid {directory / "nginx.pid"}; error_log {directory / "nginx-error.log"};
+events {{ worker_connections 1024; }}
+http {{
+  access_log off; {temp}
+  upstream app {{ server 127.0.0.1:{upstream}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+""")
+    return config
+
+
+def proxy_config(directory: Path, name: str, upstream: int, store: str) -> Path:
+    config = directory / f"{name}.yaml"
+    config.write_text(f"""
+store: {store}
+routes:
+  - name: open
+    path: /open/
+    upstream: http://127.0.0.1:{upstream}
+    fence: false
+  - name: writes
+    path: /w/
+    upstream: http://127.0.0.1:{upstream}
+""")
+    return config
+
+
+def prefill_sqlite(path: Path, jobs: int) -> None:
+    """Give ``jobs`` jobs a fence at generation 1, as a long-running store has."""
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.executemany(
+            "INSERT INTO fences (job, generation, updated_at) VALUES (?, 1, ?)",
+            ((f"job-{n}", time.time()) for n in range(jobs)),
+        )
+
+
+# ---- one measured run ------------------------------------------------------------
+
+
+def wrk(urls: list[str], load: Load, seconds: int, connections: int) -> list[dict[str, int]]:
+    """One wrk per URL at once; each prints its done() line."""
+    base = time.time_ns() // 1000  # above every earlier run's generations and keys
+    share = max(1, connections // len(urls))
+    processes = [
+        subprocess.Popen(
+            [
+                *pinned(LOAD_CORE),
+                "wrk",
+                "-t1",
+                f"-c{share}",
+                f"-d{seconds}s",
+                "--timeout",
+                "10s",
+                "-s",
+                str(HERE / "load.lua"),
+                url,
+                "--",
+                *load.args(base + n * 10_000_000),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n, url in enumerate(urls)
+    ]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=seconds + 60)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if process.returncode != 0 or not lines:
+            raise SystemExit(f"wrk failed ({process.returncode}):\n{out}{err}")
+        results.append(json.loads(lines[-1]))
+    return results
+
+
+def measure(setup: Setup, seconds: int, connections: int) -> dict[str, float]:
+    setup.before()
+    try:
+        wrk(setup.urls, setup.load, 1, connections)  # warm-up, discarded
+        pids = setup.pids()
+        cpu = cpu_seconds(pids)
+        results = wrk(setup.urls, setup.load, seconds, connections)
+        cpu = cpu_seconds(pids) - cpu
+    finally:
+        setup.after()
+    requests = sum(r["requests"] for r in results)
+    duration = max(r["duration_us"] for r in results) / 1e6
+    return {
+        "rps": requests / duration,
+        "p50_ms": statistics.mean(r["p50_us"] for r in results) / 1000,
+        "p99_ms": max(r["p99_us"] for r in results) / 1000,
+        "cpu_us": cpu / requests * 1e6 if requests else float("nan"),
+        "failed": sum(r["non2xx"] + r["socket_errors"] for r in results),
+        "requests": requests,
+    }
+
+
+# ---- the setups ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Iterator[list[Setup]]:
+    processes = Processes(directory)
+    postgres: PostgresServer | None = None
+    wanted = (lambda name: True) if only is None else (lambda name: name in only)
+    try:
+        upstream_port = free_port()
+        upstream = processes.start(
+            "upstream",
+            [sys.executable, str(HERE / "upstream.py"), str(upstream_port)],
+            upstream_port,
+            LOAD_CORE,
+        )
+        result: list[Setup] = []
+
+        def one(pid: int) -> Callable[[], list[int]]:
+            return lambda: [pid]
+
+        if wanted("direct"):
+            result.append(
+                Setup(
+                    "direct",
+                    [f"http://127.0.0.1:{upstream_port}"],
+                    one(upstream.pid),
+                    one(upstream.pid),
+                    before=lambda: pin(upstream.pid, SERVER_CORE),
+                    after=lambda: pin(upstream.pid, LOAD_CORE),
+                )
+            )
+        if wanted("nginx"):
+            if NGINX is None:
+                raise SystemExit("nginx is not installed (make bench installs it)")
+            port = free_port()
+            config = nginx_config(directory, port, upstream_port)
+            nginx = processes.start("nginx", [NGINX, "-c", str(config)], port, SERVER_CORE)
+            result.append(
+                Setup("nginx", [f"http://127.0.0.1:{port}"], one(nginx.pid), one(nginx.pid))
+            )
+
+        def proxies(name: str, store: str, count: int = 1) -> tuple[list[int], list[str]]:
+            """``count`` proxies on ``store``: their pids and URLs."""
+            config = proxy_config(directory, name, upstream_port, store)
+            pids, urls = [], []
+            for n in range(count):
+                port = free_port()
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "fenceproxy",
+                    "serve",
+                    "-c",
+                    str(config),
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--loop",
+                    "auto",
+                ]
+                pids.append(processes.start(f"{name}-{n}", argv, port, SERVER_CORE).pid)
+                urls.append(f"http://127.0.0.1:{port}")
+            return pids, urls
+
+        def migrate(name: str, store: str) -> None:
+            config = proxy_config(directory, name, upstream_port, store)
+            command = [sys.executable, "-m", "fenceproxy", "migrate", "-c", str(config)]
+            subprocess.run(command, check=True, capture_output=True)
+
+        def sqlite_setup(name: str, load: Load, prefill: int = 0) -> None:
+            if not wanted(name):
+                return
+            path = directory / f"{name}.db"
+            store = f"sqlite:///{path}"
+            if prefill:
+                migrate(name, store)
+                prefill_sqlite(path, prefill)
+            pids, urls = proxies(name, store)
+            result.append(Setup(name, urls, lambda: pids, lambda: pids, load))
+
+        sqlite_setup("pass-through", Load(path="/open/x"))
+        sqlite_setup("fenced", Load())
+        sqlite_setup("fenced, 1M jobs", Load(jobs=MILLION), prefill=MILLION)
+        sqlite_setup("raising", Load(raise_generation=True))
+        sqlite_setup("keys", Load(keys=True))
+        sqlite_setup("hot job", Load(jobs=1))
+
+        pg_wanted = [
+            name
+            for name in (
+                "pg fenced",
+                "pg raising",
+                "pg keys",
+                "pg hot job",
+                "pg x2 fenced",
+                "pg x2 raising",
+                "pg x2 keys",
+            )
+            if wanted(name)
+        ]
+        if with_postgres and pg_wanted:
+            postgres = start_postgres(directory)
+            postmaster = postgres_pids(postgres)
+
+            def pg_setup(name: str, load: Load, count: int) -> None:
+                if name not in pg_wanted:
+                    return
+                database = name.replace(" ", "_")
+                asyncio.run(sql(postgres.url(), f"CREATE DATABASE {database}"))
+                store = postgres.url(database) + "?pool=10"
+                migrate(database, store)
+                pids, urls = proxies(database, store, count)
+                result.append(Setup(name, urls, lambda: pids + postmaster(), lambda: pids, load))
+
+            pg_setup("pg fenced", Load(), 1)
+            pg_setup("pg raising", Load(raise_generation=True), 1)
+            pg_setup("pg keys", Load(keys=True), 1)
+            pg_setup("pg hot job", Load(jobs=1), 1)
+            pg_setup("pg x2 fenced", Load(), 2)
+            pg_setup("pg x2 raising", Load(raise_generation=True), 2)
+            pg_setup("pg x2 keys", Load(keys=True), 2)
+        yield result
+    finally:
+        processes.stop()
+        if postgres is not None:
+            with contextlib.suppress(RuntimeError):
+                postgres.stop("immediate")
+
+
+def start_postgres(directory: Path) -> PostgresServer:
+    """A durable cluster (fsync on, synchronous_commit on) on the server's core."""
+    bin_dir = postgres_bin()
+    if bin_dir is None:
+        raise SystemExit("PostgreSQL is not installed (make bench installs it; or --no-postgres)")
+    folder = directory / "postgres"
+    folder.mkdir()
+    os.chmod(directory, 0o755)
+    server = PostgresServer(folder, bin_dir, durable=True)
+    server.init()
+    server.start(wrapper=pinned(SERVER_CORE))
+    return server
+
+
+def postgres_pids(server: PostgresServer) -> Callable[[], list[int]]:
+    """The postmaster and its children (the backends serving the proxies, the WAL
+    writer, the checkpointer), looked up at each call: backends come and go."""
+    postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
+
+    def pids() -> list[int]:
+        children = Path(f"/proc/{postmaster}/task/{postmaster}/children").read_text().split()
+        return [postmaster, *map(int, children)]
+
+    return pids
+
+
+# ---- the table -------------------------------------------------------------------
+
+
+def median(setup: Setup, key: str) -> float:
+    return statistics.median(run[key] for run in setup.runs)
+
+
+def report(table: list[Setup], rounds: int, seconds: float, connections: int) -> list[str]:
+    rows = {s.name: s for s in table}
+    direct, nginx = rows.get("direct"), rows.get("nginx")
+    print(
+        f"\nwrk -t1 -c{connections}, {seconds:g} s per run, {rounds} interleaved rounds, "
+        f"medians; {'server on core 0, wrk and upstream on core 1' if TWO_CORES else 'unpinned'}"
+    )
+    header = (
+        f"{'setup':<16} {'req/s':>8} {'vs direct':>9} {'vs nginx':>8} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'CPU µs':>7} {'CPU vs nginx':>12} {'peak RSS':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for s in table:
+        rps, cpu = median(s, "rps"), median(s, "cpu_us")
+        vs_direct = f"{rps / median(direct, 'rps'):.2f}" if direct else "-"
+        vs_nginx = f"{rps / median(nginx, 'rps'):.2f}" if nginx else "-"
+        cpu_nginx = f"{cpu / median(nginx, 'cpu_us'):.2f}" if nginx else "-"
+        print(
+            f"{s.name:<16} {rps:>8,.0f} {vs_direct:>9} {vs_nginx:>8} {median(s, 'p50_ms'):>7.2f} "
+            f"{median(s, 'p99_ms'):>7.2f} {cpu:>7.0f} {cpu_nginx:>12} "
+            f"{peak_rss_mib(s.memory_pids()):>6.0f} MiB"
+        )
+    return targets(rows)
+
+
+def targets(rows: dict[str, Setup]) -> list[str]:
+    """The targets, each PASS or MISS, from this run's medians; the misses."""
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        if a in rows and b in rows:
+            return median(rows[a], key) / median(rows[b], key)
+        return None
+
+    checks = [
+        ("fenced req/s >= 0.5x direct", ratio("fenced", "direct", "rps"), ">=", 0.5),
+        ("fenced req/s >= 1.0x nginx", ratio("fenced", "nginx", "rps"), ">=", 1.0),
+        ("fenced p99 <= 2x nginx's", ratio("fenced", "nginx", "p99_ms"), "<=", 2.0),
+        ("fenced CPU/request <= 2.5x nginx's", ratio("fenced", "nginx", "cpu_us"), "<=", 2.5),
+        ("1M jobs req/s >= 0.8x 1k jobs", ratio("fenced, 1M jobs", "fenced", "rps"), ">=", 0.8),
+        ("a key's CPU <= 1.3x fenced", ratio("keys", "fenced", "cpu_us"), "<=", 1.3),
+        ("raising req/s >= 0.35x direct", ratio("raising", "direct", "rps"), ">=", 0.35),
+        ("pg fenced vs SQLite (req/s)", ratio("pg fenced", "fenced", "rps"), None, None),
+        ("pg x2 fenced vs SQLite (req/s)", ratio("pg x2 fenced", "fenced", "rps"), None, None),
+    ]
+    print()
+    missed = []
+    for text, value, op, bound in checks:
+        if value is None:
+            continue
+        if op is None:
+            print(f"       {text}: {value:.2f}")
+            continue
+        ok = value >= bound if op == ">=" else value <= bound
+        print(f"{'PASS' if ok else 'MISS'}   {text}: {value:.2f}")
+        if not ok:
+            missed.append(text)
+    return missed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--no-postgres", action="store_true", help="SQLite setups only")
+    parser.add_argument("--only", help="comma-separated setup names (e.g. direct,nginx,fenced)")
+    parser.add_argument("--json", metavar="FILE", help="also write every run's figures here")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not installed (make bench installs it)")
+    only = None if args.only is None else {n.strip() for n in args.only.split(",")}
+
+    with (
+        tempfile.TemporaryDirectory(prefix="fenceproxy-bench-") as tmp,
+        setups(Path(tmp), not args.no_postgres, only) as table,
+    ):
+        for n in range(args.rounds):
+            for setup in table:
+                run = measure(setup, args.seconds, args.connections)
+                setup.runs.append(run)
+                print(
+                    f"round {n + 1} {setup.name:<16} {run['rps']:>8,.0f} req/s "
+                    f"{run['cpu_us']:>6.0f} µs/req p99 {run['p99_ms']:.1f} ms"
+                    + (f"  {run['failed']} FAILED" if run["failed"] else ""),
+                    flush=True,
+                )
+        missed = report(table, args.rounds, args.seconds, args.connections)
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        s.name: {"runs": s.runs, "peak_rss_mib": peak_rss_mib(s.memory_pids())}
+                        for s in table
+                    },
+                    indent=2,
+                )
+            )
+    failed = [s.name for s in table if any(run["failed"] for run in s.runs)]
+    if failed:
+        print(f"\nnot every answer was 2xx: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    if missed:
+        print(f"\n{len(missed)} target(s) missed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
