@@ -1,14 +1,16 @@
 -- wrk's load for every setup of bench/run.py: fenced POSTs rotating over job ids.
---   wrk -s bench/load.lua URL -- PATH JOBS OFFSET GENERATION KEYS
+--   wrk -s bench/load.lua URL -- PATH JOBS OFFSET GENERATION KEYS [NAME]
 -- PATH      the request path
 -- JOBS      how many distinct job ids (job-0 .. job-(JOBS-1)); OFFSET is the first
 -- GENERATION  a fixed token, or "raise:BASE": BASE + a counter, so every write
 --           raises its job's generation (BASE must exceed every earlier run's)
 -- KEYS      "keys:BASE" gives each write its own Idempotency-Key; "-" gives none
+-- NAME      the job ids' prefix ("job-" unless given): one per wrk, when several
+--           drive the same store, so each writes its own jobs as holders do
 -- Every setup, the baselines included, sends these same requests, so wrk's own cost
 -- is the same in each. done() prints one JSON line for the runner.
 
-local path, jobs, offset, fixed, raise_base, key_base
+local path, jobs, offset, fixed, raise_base, key_base, name
 local counter = 0
 local body = '{"amount": 1}'
 
@@ -25,13 +27,14 @@ function init(args)
    if args[5]:sub(1, 5) == "keys:" then
       key_base = args[5]:sub(6)
    end
+   name = args[6] or "job-"
 end
 
 function request()
    counter = counter + 1
    local headers = {
       ["Content-Type"] = "application/json",
-      ["Fencing-Job"] = "job-" .. ((offset + counter) % jobs),
+      ["Fencing-Job"] = name .. ((offset + counter) % jobs),
       ["Fencing-Token"] = fixed or string.format("%d", raise_base + counter),
    }
    if key_base then

@@ -234,6 +234,7 @@ def wrk(urls: list[str], load: Load, seconds: int, connections: int) -> list[dic
                 url,
                 "--",
                 *load.args(base + n * 10_000_000),
+                "job-" if n == 0 else f"w{n}-job-",  # each wrk its own jobs
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
