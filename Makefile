@@ -41,13 +41,15 @@ pytest: $(STAMP) servers
 	$(BIN)/pytest
 
 ## Servers the tests drive for real, from Debian's packages when missing (as root):
-## nginx, the reference for how an upstream resolves a request path, and PostgreSQL,
-## the shared store (the tests start a throwaway cluster of their own).
+## nginx, the reference for how an upstream resolves a request path and the
+## benchmark's baseline, PostgreSQL, the shared store (the tests start a throwaway
+## cluster of their own), and wrk, the benchmark's load generator.
 servers:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
 	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || missing="$$missing postgresql"; \
+	command -v wrk >/dev/null 2>&1 || missing="$$missing wrk"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing$$missing from Debian's packages"; \
@@ -64,14 +66,9 @@ chaos: $(STAMP)
 	$(CHAOS) --proxy-command "$(BIN)/python tests/broken_fence.py" --expect-violations
 
 ## fenceproxy beside nginx and the bare upstream, driven by wrk, one table of ratios:
-## make bench BENCH_ARGS="--rounds 5 --no-postgres". Installs wrk when missing (as root).
+## make bench BENCH_ARGS="--rounds 5 --no-postgres". Installs wrk and nginx as `servers` does.
 BENCH_ARGS ?=
 bench: $(STAMP) servers
-	@command -v wrk >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq --no-install-recommends wrk >/dev/null; \
-	  else echo "wrk is not installed"; exit 1; fi; }
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 ## Known vulnerabilities in the installed dependencies fail the build. Needs PyPI's
