@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import Config, parse_listen, parse_store_url
+from .config import Config, parse_listen, parse_store_url, signing_keys
 from .errors import Refusal
 from .lease_api import LeaseService
 from .log import proxy_log
@@ -56,7 +56,10 @@ class FenceProxy:
         self._given_store = store
         self._clock = clock
         self._router = Router(config.routes)
-        self._leases = LeaseService(config.leases) if config.leases is not None else None
+        self._keys = signing_keys(config.signing, "config")
+        self._leases = (
+            LeaseService(config.leases, self._keys) if config.leases is not None else None
+        )
         self._lease_prefix = config.leases.prefix if config.leases is not None else None
         self._store: Store | None = None
         self._proxy: Proxy | None = None
@@ -86,6 +89,7 @@ class FenceProxy:
             self._upstreams,
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
+            keys=self._keys,
         )
         return self
 

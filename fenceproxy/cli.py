@@ -16,6 +16,7 @@ from .demo import run_demo
 from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
 from .log import MalformedRequestFilter, access_log, server_log
 from .store import migrate_store
+from .tokens import generate_key
 
 __all__ = ["main"]
 
@@ -59,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument("--store", metavar="URL", help="override the file's store")
 
     commands.add_parser("demo", help="run the worked example on loopback")
+    keys = commands.add_parser(
+        "keys",
+        help="make a key for signed fencing tokens",
+        description="Print a new signing key (32 random bytes, base64url). Put it in an "
+        "environment variable or a file the config's signing.keys names, never in the "
+        "config itself.",
+    )
+    keys.add_argument("action", choices=["generate"])
     commands.add_parser(
         "chaos", help="fault-injection run with checked invariants (see: fenceproxy chaos -h)"
     )
@@ -157,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(run_demo())
+    if args.command == "keys":
+        print(generate_key())
+        return 0
     if args.command == "lease":
         return asyncio.run(_lease(parser, args))
     try:

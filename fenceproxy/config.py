@@ -37,6 +37,7 @@ from pydantic import (
 from yarl import URL
 
 from .errors import ConfigError
+from .tokens import SigningKeys, decode_key
 
 __all__ = [
     "Config",
@@ -44,12 +45,15 @@ __all__ = [
     "IdempotencySpec",
     "LeasesSpec",
     "RouteSpec",
+    "SigningKeySpec",
+    "SigningSpec",
     "StoreURL",
     "absolute_store_url",
     "load_config",
     "parse_config",
     "parse_listen",
     "parse_store_url",
+    "signing_keys",
 ]
 
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
@@ -205,6 +209,9 @@ class FenceSpec(_Model):
     token_header: str = "Fencing-Token"
     key_header: str = "Idempotency-Key"
     on_duplicate: Literal["replay", "reject"] = "replay"
+    tokens: Literal["any", "signed"] = "any"
+    """``signed``: only tokens signed by a key of ``signing`` are taken; ``any`` also
+    takes plain integers. A signed token is verified on every route."""
 
     @field_validator("methods")
     @classmethod
@@ -317,6 +324,39 @@ class LeasesSpec(_Model):
         return self
 
 
+class SigningKeySpec(_Model):
+    """One key that verifies signed tokens, read from the environment or a file (never
+    from this file): unpadded base64url of 32 or more bytes."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    file: str | None = None
+    """Relative to the config file's folder."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SigningKeySpec:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env (a variable's name) or file (a path)")
+        return self
+
+
+class SigningSpec(_Model):
+    """Signed fencing tokens: the lease API signs with ``sign_with`` (by default the
+    first key); every key listed verifies, so a key can be rotated out."""
+
+    keys: tuple[SigningKeySpec, ...] = Field(min_length=1)
+    sign_with: str | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> SigningSpec:
+        ids = [key.id for key in self.keys]
+        if len(set(ids)) != len(ids):
+            raise ValueError("two keys have the same id")
+        if self.sign_with is not None and self.sign_with not in ids:
+            raise ValueError(f"sign_with names {self.sign_with!r}, which is not among the keys")
+        return self
+
+
 class IdempotencySpec(_Model):
     """How long idempotency keys are kept and how much response each may store."""
 
@@ -332,6 +372,8 @@ class Config(_Model):
     idempotency: IdempotencySpec = IdempotencySpec()
     leases: LeasesSpec | None = None
     """The lease API; off unless the section is present (``leases: {}`` for defaults)."""
+    signing: SigningSpec | None = None
+    """Keys for signed fencing tokens; without them tokens are plain integers."""
     trusted_proxies: tuple[str, ...] = ()
     shutdown_timeout: Duration = 30.0
     routes: tuple[RouteSpec, ...] = Field(min_length=1)
@@ -381,6 +423,17 @@ class Config(_Model):
                     )
         return self
 
+    @model_validator(mode="after")
+    def _signed_routes_have_keys(self) -> Config:
+        if self.signing is None:
+            for n, route in enumerate(self.routes):
+                if route.fence is not None and route.fence.tokens == "signed":
+                    raise ValueError(
+                        f"routes[{n}].fence.tokens is signed, and no signing keys are "
+                        "configured (signing.keys)"
+                    )
+        return self
+
     @field_validator("routes")
     @classmethod
     def _unique(cls, value: tuple[RouteSpec, ...]) -> tuple[RouteSpec, ...]:
@@ -392,6 +445,39 @@ class Config(_Model):
                     raise ValueError(f"two routes have the {attr} {item!r}")
                 seen.add(item)
         return value
+
+
+def signing_keys(spec: SigningSpec | None, source: str) -> SigningKeys | None:
+    """The signing keys' material, from the environment variables and files the
+    config names; ConfigError naming ``source`` and the key when one is missing or
+    not a key. A relative file is taken from the working directory: ``load_config``
+    has made the file's own relative paths absolute."""
+    if spec is None:
+        return None
+    material: dict[str, bytes] = {}
+    problems: list[tuple[str, str]] = []
+    for n, key in enumerate(spec.keys):
+        where = f"signing.keys[{n}]"
+        if key.env is not None:
+            where, text = f"{where}.env", os.environ.get(key.env)
+            if text is None:
+                problems.append((where, f"the environment variable {key.env} is not set"))
+                continue
+        else:
+            assert key.file is not None
+            where = f"{where}.file"
+            try:
+                text = Path(key.file).read_text(encoding="ascii")
+            except (OSError, UnicodeDecodeError) as exc:
+                problems.append((where, f"cannot read {key.file}: {exc}"))
+                continue
+        try:
+            material[key.id] = decode_key(text)
+        except ValueError as exc:
+            problems.append((where, str(exc)))
+    if problems:
+        raise ConfigError(source, problems)
+    return SigningKeys(material, spec.sign_with or spec.keys[0].id)
 
 
 def _key(loc: tuple[int | str, ...]) -> str:
@@ -482,4 +568,14 @@ def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) ->
         raise ConfigError(source, [("", f"invalid YAML value: {detail}")]) from None
     config = parse_config(data, source, overrides)
     base = os.getcwd() if overrides and "store" in overrides else Path(path).parent
-    return config.model_copy(update={"store": absolute_store_url(config.store, base)})
+    update: dict[str, Any] = {"store": absolute_store_url(config.store, base)}
+    if config.signing is not None:
+        folder = Path(path).parent.absolute()
+        keys = tuple(
+            key if key.file is None else key.model_copy(update={"file": str(folder / key.file)})
+            for key in config.signing.keys
+        )
+        update["signing"] = config.signing.model_copy(update={"keys": keys})
+    config = config.model_copy(update=update)
+    signing_keys(config.signing, source)  # every key present and well-formed, now
+    return config

@@ -17,6 +17,7 @@
         ├── UnsupportedFraming       501  a transfer coding other than chunked
         ├── FencingHeaderMissing     428  job or token header absent
         ├── FencingHeaderMalformed   400  job or token header not acceptable
+        ├── TokenRejected            403  a token not signed by a configured key for this job
         ├── IdempotencyKeyMalformed  400
         ├── StaleGeneration          409  a newer generation was accepted for the job
         ├── DuplicateInFlight        409  the same key is being forwarded now
@@ -86,6 +87,7 @@ __all__ = [
     "StoreError",
     "StoreLocked",
     "StoreUnavailable",
+    "TokenRejected",
     "UnsupportedFraming",
     "UpstreamError",
     "UpstreamFailed",
@@ -208,6 +210,10 @@ class FencingHeaderMissing(Refusal):
 
 class FencingHeaderMalformed(Refusal):
     slug, status, title = "fencing-header-malformed", 400, "Fencing header malformed"
+
+
+class TokenRejected(Refusal):
+    slug, status, title = "token-rejected", 403, "Fencing token not accepted"
 
 
 class IdempotencyKeyMalformed(Refusal):

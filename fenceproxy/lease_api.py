@@ -35,6 +35,7 @@ from .fencing import GENERATION_MAX, parse_job
 from .leasing import Lease, LeaseState
 from .log import lease_log
 from .store import Store
+from .tokens import SigningKeys
 
 __all__ = ["LeaseService"]
 
@@ -81,9 +82,11 @@ class _Holder(_Body):
 class LeaseService:
     """Handlers for the lease API. ``store`` is set once the app has opened it."""
 
-    def __init__(self, spec: LeasesSpec) -> None:
+    def __init__(self, spec: LeasesSpec, keys: SigningKeys | None = None) -> None:
+        """With ``keys``, the tokens handed out are signed (see :mod:`fenceproxy.tokens`)."""
         self.spec = spec
         self.store: Store | None = None
+        self._keys = keys
         self._actions = {
             "claim": self.claim,
             "renew": self.renew,
@@ -176,7 +179,9 @@ class LeaseService:
                 "job_id": lease.job_id,
                 "owner": lease.owner,
                 "generation": lease.generation,
-                "token": lease.token,
+                "token": lease.token
+                if self._keys is None
+                else self._keys.sign(lease.job_id, lease.generation),
                 "state": "expired"
                 if lease.state is LeaseState.HELD and not lease.live(now)
                 else lease.state.value,

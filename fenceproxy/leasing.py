@@ -44,7 +44,8 @@ class Lease:
 
     @property
     def token(self) -> str:
-        """What a worker sends as ``Fencing-Token``. Opaque to clients: it may be signed later."""
+        """The plain token: the generation. With signing keys, the lease API hands out
+        a signed one instead (:mod:`fenceproxy.tokens`); workers treat both as opaque."""
         return str(self.generation)
 
     def live(self, now: float) -> bool:

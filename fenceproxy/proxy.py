@@ -66,7 +66,6 @@ from .fencing import (
     StoredResponse,
     decide,
     fingerprint,
-    parse_generation,
     parse_job,
     parse_key,
     parse_method_override,
@@ -76,6 +75,7 @@ from .http1 import UpstreamResponse
 from .log import proxy_log
 from .routes import Route, Router
 from .store import Store
+from .tokens import SigningKeys, read_token
 from .upstream import (
     TrustedProxies,
     UpstreamPool,
@@ -123,12 +123,14 @@ class Proxy:
         *,
         trusted: TrustedProxies,
         max_stored_response: int,
+        keys: SigningKeys | None = None,
     ) -> None:
         self._router = router
         self._store = store
         self._upstreams = upstreams
         self._trusted = trusted
         self._max_stored = max_stored_response
+        self._signing = keys
         # Keyed writes of this process from arrival until the store has their final
         # state: a duplicate is answered at once rather than queued behind the
         # original, and a state the store could not take yet is still honoured.
@@ -234,7 +236,9 @@ class Proxy:
                 f"{fence.job_header} names another job than the path does",
                 header=str(fence.job_header),
             )
-        generation = parse_generation(raw_token, str(fence.token_header))
+        generation = read_token(
+            raw_token, str(fence.token_header), job, self._signing, signed_only=fence.signed_only
+        )
         key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)

@@ -37,6 +37,8 @@ class Fence:
     token_header: istr
     key_header: istr
     replay: bool
+    signed_only: bool
+    """Only signed tokens are taken (plain integers are refused)."""
     fields: frozenset[str]
     """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
 
@@ -85,6 +87,7 @@ class Route:
                     )
                 ),
                 replay=spec.fence.on_duplicate == "replay",
+                signed_only=spec.fence.tokens == "signed",
             )
         pattern = None
         if job_in_path or not spec.match_case:
