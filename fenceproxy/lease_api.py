@@ -140,7 +140,9 @@ class LeaseService:
         lease, now = await self._store().lease(job)
         if lease is None:
             raise LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
-        return self._answer(lease, now)
+        # A signed token is handed to its holder only (claim, renew), never to whoever
+        # looks the job up: it would let them write as the holder.
+        return self._answer(lease, now, with_token=self._keys is None)
 
     async def _end(self, request: web.BaseRequest, job: str, decide: Any) -> web.Response:
         body = await _parse(request, _Holder)
@@ -172,24 +174,26 @@ class LeaseService:
         assert self.store is not None, "the lease service runs only inside a started app"
         return self.store
 
-    def _answer(self, lease: Lease, now: float) -> web.Response:
+    def _answer(self, lease: Lease, now: float, *, with_token: bool = True) -> web.Response:
         """``now`` is the store's clock, read in the same transaction."""
-        return web.json_response(
-            {
-                "job_id": lease.job_id,
-                "owner": lease.owner,
-                "generation": lease.generation,
-                "token": lease.token
+        answer: dict[str, Any] = {
+            "job_id": lease.job_id,
+            "owner": lease.owner,
+            "generation": lease.generation,
+            "state": "expired"
+            if lease.state is LeaseState.HELD and not lease.live(now)
+            else lease.state.value,
+            "ttl": lease.ttl,
+            "lease_until": lease.lease_until,
+            "expires_in": max(0.0, lease.lease_until - now),
+        }
+        if with_token:
+            answer["token"] = (
+                lease.token
                 if self._keys is None
-                else self._keys.sign(lease.job_id, lease.generation),
-                "state": "expired"
-                if lease.state is LeaseState.HELD and not lease.live(now)
-                else lease.state.value,
-                "ttl": lease.ttl,
-                "lease_until": lease.lease_until,
-                "expires_in": max(0.0, lease.lease_until - now),
-            }
-        )
+                else self._keys.sign(lease.job_id, lease.generation)
+            )
+        return web.json_response(answer)
 
 
 def _job(segment: str) -> str:

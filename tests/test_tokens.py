@@ -72,6 +72,21 @@ async def test_a_claimed_token_is_signed_for_its_job_and_forwarded(
     assert received.headers["Fencing-Token"] == lease["token"]  # passed on unchanged
 
 
+async def test_a_signed_token_goes_to_its_holder_only(proxy: Client) -> None:
+    """Claim and renew hand the token out; looking the job up does not, or anyone
+    who can read a lease could write as its holder."""
+    lease = await claim(proxy, "invoice-3")
+    shown = await proxy.get("/_leases/invoice-3")
+    assert shown.status == 200
+    body = await shown.json()
+    assert body["generation"] == lease["generation"]
+    assert "token" not in body
+    renewed = await proxy.post(
+        "/_leases/invoice-3/renew", json={"owner": "w1", "generation": lease["generation"]}
+    )
+    assert (await renewed.json())["token"] == lease["token"]
+
+
 @pytest.mark.parametrize(
     "forge",
     [
