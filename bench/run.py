@@ -41,7 +41,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository's tests/ helpers
 
-from tests.nginx import NGINX  # noqa: E402
+from fenceproxy.testing import free_port  # noqa: E402
+from tests.nginx import NGINX, temp_paths  # noqa: E402
 from tests.postgres import PostgresServer, postgres_bin, sql  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -81,13 +82,19 @@ class Setup:
     runs: list[dict[str, float]] = field(default_factory=list)
 
 
+PG_SETUPS: list[tuple[str, Load, int]] = [
+    # name, load, proxies on the one database
+    ("pg fenced", Load(), 1),
+    ("pg raising", Load(raise_generation=True), 1),
+    ("pg keys", Load(keys=True), 1),
+    ("pg hot job", Load(jobs=1), 1),
+    ("pg x2 fenced", Load(), 2),
+    ("pg x2 raising", Load(raise_generation=True), 2),
+    ("pg x2 keys", Load(keys=True), 2),
+]
+
+
 # ---- processes -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str) -> None:
@@ -162,10 +169,7 @@ class Processes:
 
 
 def nginx_config(directory: Path, port: int, upstream: int) -> Path:
-    temp = " ".join(
-        f"{kind}_temp_path {directory / kind};"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
+    temp = temp_paths(directory)
     config = directory / "nginx.conf"
     config.write_text(f"""
 daemon off; master_process off; worker_processes 1;
@@ -361,40 +365,19 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
         sqlite_setup("keys", Load(keys=True))
         sqlite_setup("hot job", Load(jobs=1))
 
-        pg_wanted = [
-            name
-            for name in (
-                "pg fenced",
-                "pg raising",
-                "pg keys",
-                "pg hot job",
-                "pg x2 fenced",
-                "pg x2 raising",
-                "pg x2 keys",
-            )
-            if wanted(name)
-        ]
+        pg_wanted = [setup for setup in PG_SETUPS if wanted(setup[0])]
         if with_postgres and pg_wanted:
             postgres = start_postgres(directory)
             postmaster = postgres_pids(postgres)
-
-            def pg_setup(name: str, load: Load, count: int) -> None:
-                if name not in pg_wanted:
-                    return
+            for name, load, count in pg_wanted:
                 database = name.replace(" ", "_")
                 asyncio.run(sql(postgres.url(), f"CREATE DATABASE {database}"))
                 store = postgres.url(database) + "?pool=10"
                 migrate(database, store)
                 pids, urls = proxies(database, store, count)
-                result.append(Setup(name, urls, lambda: pids + postmaster(), lambda: pids, load))
-
-            pg_setup("pg fenced", Load(), 1)
-            pg_setup("pg raising", Load(raise_generation=True), 1)
-            pg_setup("pg keys", Load(keys=True), 1)
-            pg_setup("pg hot job", Load(jobs=1), 1)
-            pg_setup("pg x2 fenced", Load(), 2)
-            pg_setup("pg x2 raising", Load(raise_generation=True), 2)
-            pg_setup("pg x2 keys", Load(keys=True), 2)
+                result.append(
+                    Setup(name, urls, lambda p=pids: p + postmaster(), lambda p=pids: p, load)
+                )
         yield result
     finally:
         processes.stop()

@@ -37,7 +37,7 @@ from pydantic import (
 from yarl import URL
 
 from .errors import ConfigError
-from .tokens import SigningKeys, decode_key
+from .tokens import KEY_ID, SigningKeys, decode_key
 
 __all__ = [
     "Config",
@@ -328,7 +328,7 @@ class SigningKeySpec(_Model):
     """One key that verifies signed tokens, read from the environment or a file (never
     from this file): unpadded base64url of 32 or more bytes."""
 
-    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    id: str = Field(pattern=f"^{KEY_ID}$")
     env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     file: str | None = None
     """Relative to the config file's folder."""

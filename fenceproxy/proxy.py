@@ -526,7 +526,7 @@ async def _read_limited(request: web.BaseRequest, route: Route) -> bytes:
             raise _body_too_large(route)
         return whole
     body = bytearray()
-    async for chunk in request.content.iter_chunked(_CHUNK):
+    async for chunk in content.iter_chunked(_CHUNK):
         body += chunk
         if len(body) > route.max_body:
             raise _body_too_large(route)

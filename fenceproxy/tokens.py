@@ -31,6 +31,7 @@ from .fencing import GENERATION_MAX, parse_generation
 
 __all__ = [
     "KEY_BYTES_MIN",
+    "KEY_ID",
     "SIGNED_PREFIX",
     "SigningKeys",
     "decode_key",
@@ -40,9 +41,10 @@ __all__ = [
 
 SIGNED_PREFIX = "v1."
 KEY_BYTES_MIN = 32
-KEY_ID = re.compile(r"[A-Za-z0-9_-]{1,32}", re.ASCII)
+KEY_ID = r"[A-Za-z0-9_-]{1,32}"
+"""What a key id may be (a pattern): it sits between the token's dots."""
 _TOKEN = re.compile(
-    r"v1\.(?P<kid>[A-Za-z0-9_-]{1,32})\.(?P<gen>0|[1-9][0-9]{0,18})\.(?P<sig>[A-Za-z0-9_-]{43})",
+    rf"v1\.(?P<kid>{KEY_ID})\.(?P<gen>0|[1-9][0-9]{{0,18}})\.(?P<sig>[A-Za-z0-9_-]{{43}})",
     re.ASCII,
 )
 _CONTEXT = b"fenceproxy-token-v1"

@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["NGINX", "Nginx", "resolve_like_nginx"]
+__all__ = ["NGINX", "Nginx", "resolve_like_nginx", "temp_paths"]
 
 NGINX = shutil.which("nginx", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
 _HEX = b"0123456789abcdefABCDEF"
@@ -53,6 +53,15 @@ def resolve_like_nginx(target: bytes) -> bytes | None:
     return b"/" + b"/".join(out)
 
 
+def temp_paths(directory: Path) -> str:
+    """nginx directives that keep its temporary files in ``directory``, not in the
+    system's folders (which a run as another user may not write)."""
+    return " ".join(
+        f"{kind}_temp_path {directory / kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+
+
 class Nginx:
     """A real nginx on loopback whose every location answers ``200`` with ``$uri``."""
 
@@ -62,10 +71,7 @@ class Nginx:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        temp = " ".join(
-            f"{kind}_temp_path {directory / kind};"
-            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
+        temp = temp_paths(directory)
         (directory / "nginx.conf").write_text(
             "daemon off; master_process off; worker_processes 1;\n"
             f"pid {directory / 'nginx.pid'}; error_log {directory / 'error.log'};\n"
