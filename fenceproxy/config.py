@@ -212,6 +212,9 @@ class FenceSpec(_Model):
     tokens: Literal["any", "signed"] = "any"
     """``signed``: only tokens signed by a key of ``signing`` are taken; ``any`` also
     takes plain integers. A signed token is verified on every route."""
+    check_lease: bool = False
+    """Forward a write only while the job's lease at the token's generation is live on
+    the store's clock: refused after it expired, was released or completed."""
 
     @field_validator("methods")
     @classmethod
@@ -431,6 +434,19 @@ class Config(_Model):
                     raise ValueError(
                         f"routes[{n}].fence.tokens is signed, and no signing keys are "
                         "configured (signing.keys)"
+                    )
+        return self
+
+    @model_validator(mode="after")
+    def _checked_routes_see_leases(self) -> Config:
+        # A SQLite file has one process: without its lease API no lease ever exists
+        # there. A PostgreSQL store may be shared with proxies that serve the API.
+        if self.leases is None and parse_store_url(self.store).backend == "sqlite":
+            for n, route in enumerate(self.routes):
+                if route.fence is not None and route.fence.check_lease:
+                    raise ValueError(
+                        f"routes[{n}].fence.check_lease is on, and no lease API shares "
+                        "this SQLite store (add leases:)"
                     )
         return self
 

@@ -20,6 +20,7 @@
         ├── TokenRejected            403  a token not signed by a configured key for this job
         ├── IdempotencyKeyMalformed  400
         ├── StaleGeneration          409  a newer generation was accepted for the job
+        ├── LeaseNotLive             409  a lease-checked route: the write's lease is not live
         ├── DuplicateInFlight        409  the same key is being forwarded now
         ├── DuplicateOutcomeUnknown  409  the same key was sent, its result never came back
         ├── DuplicateRejected        409  the key completed and the route does not replay
@@ -72,6 +73,7 @@ __all__ = [
     "LeaseLost",
     "LeaseMismatch",
     "LeaseNotFound",
+    "LeaseNotLive",
     "LeaseRefused",
     "LeaseReleased",
     "LeaseRequestInvalid",
@@ -222,6 +224,10 @@ class IdempotencyKeyMalformed(Refusal):
 
 class StaleGeneration(Refusal):
     slug, status, title = "stale-generation", 409, "A newer generation holds this job"
+
+
+class LeaseNotLive(Refusal):
+    slug, status, title = "lease-not-live", 409, "The write's lease is not live"
 
 
 class DuplicateInFlight(Refusal):

@@ -197,6 +197,9 @@ class FencedWrite:
     replay: bool = True
     turn: str = field(default_factory=_new_turn)
     hold: float = 60.0
+    check_lease: bool = False
+    """Admitted only while the job's lease at ``generation`` is live on the store's
+    clock (:func:`fenceproxy.leasing.check_write`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,13 +16,14 @@ from .errors import (
     LeaseHeld,
     LeaseMismatch,
     LeaseNotFound,
+    LeaseNotLive,
     LeaseReleased,
     LeaseSuperseded,
     Refusal,
 )
 from .fencing import GENERATION_MAX
 
-__all__ = ["Lease", "LeaseState", "claim", "complete", "release", "renew"]
+__all__ = ["Lease", "LeaseState", "check_write", "claim", "complete", "release", "renew"]
 
 
 class LeaseState(enum.StrEnum):
@@ -163,3 +164,24 @@ def _end(
     if isinstance(held, Refusal) or held.state is state:
         return held
     return replace(held, state=state, lease_until=min(held.lease_until, now))
+
+
+def check_write(lease: Lease | None, job: str, generation: int, now: float) -> LeaseNotLive | None:
+    """None when a write of ``job`` at ``generation`` may go on a lease-checked route:
+    the job's lease is at that generation and live now. Otherwise the refusal that
+    says why (never taken, another generation, expired, released or completed)."""
+    if lease is not None and lease.generation == generation and lease.live(now):
+        return None
+    if lease is None:
+        why = "no lease was ever taken on it"
+    elif lease.generation != generation:
+        why = f"its lease is at generation {lease.generation}"
+    elif lease.state is not LeaseState.HELD:
+        why = f"its lease at that generation was {lease.state.value}"
+    else:
+        why = f"its lease at that generation expired {now - lease.lease_until:.3f}s ago"
+    return LeaseNotLive(
+        f"a write of job {job!r} at generation {generation} needs that lease to be live; {why}",
+        job=job,
+        generation=generation,
+    )

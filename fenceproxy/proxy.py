@@ -246,7 +246,9 @@ class Proxy:
 
         hold = _in_flight_for(route) + route.quarantine + _TURN_SLACK
         if key is None:
-            write = FencedWrite(route.name, job, generation, hold=hold)
+            write = FencedWrite(
+                route.name, job, generation, hold=hold, check_lease=fence.check_lease
+            )
             return await self._forward_fenced(request, route, target, write, headers, body)
 
         write = FencedWrite(
@@ -257,6 +259,7 @@ class Proxy:
             fingerprint=fingerprint(request.method, target, body, override),
             replay=fence.replay,
             hold=hold,
+            check_lease=fence.check_lease,
         )
         slot = (route.name, job, key)
         if (record := self._keys.get(slot)) is not None:

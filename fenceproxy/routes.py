@@ -39,6 +39,8 @@ class Fence:
     replay: bool
     signed_only: bool
     """Only signed tokens are taken (plain integers are refused)."""
+    check_lease: bool
+    """A write goes only while its job's lease at its generation is live."""
     fields: frozenset[str]
     """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
 
@@ -88,6 +90,7 @@ class Route:
                 ),
                 replay=spec.fence.on_duplicate == "replay",
                 signed_only=spec.fence.tokens == "signed",
+                check_lease=spec.fence.check_lease,
             )
         pattern = None
         if job_in_path or not spec.match_case:

@@ -13,8 +13,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the project root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fenceproxy.store.postgres as postgres_store
-import fenceproxy.store.sqlite as sqlite_store
+import fenceproxy.store.base as store_base
 from fenceproxy import fencing
 from fenceproxy.errors import Refusal
 from fenceproxy.fencing import Admit, FencedWrite, KeyRecord, Replay
@@ -27,14 +26,13 @@ def decide_ignoring_generations(
     return fencing.decide(write, None, key)
 
 
-BACKENDS = (sqlite_store, postgres_store)
-"""The store modules whose ``decide`` the broken build swaps."""
+STORES = store_base
+"""The module whose ``decide`` every store's admission calls, which the broken build swaps."""
 
 
 def break_the_fence() -> None:
     """Swap the stores' decision for one that admits stale writes (this process only)."""
-    for backend in BACKENDS:
-        backend.decide = decide_ignoring_generations  # type: ignore[assignment]
+    STORES.decide = decide_ignoring_generations  # type: ignore[assignment]
     print("broken_fence: THE FENCE CHECK IS OFF, stale writes are forwarded", file=sys.stderr)
 
 

@@ -17,7 +17,7 @@ from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
 from fenceproxy.testing import ProxyTestServer
 
-from .broken_fence import BACKENDS, decide_ignoring_generations
+from .broken_fence import STORES, decide_ignoring_generations
 from .postgres import PostgresServer
 
 # The deliberately broken build: fenceproxy with a store that admits stale writes.
@@ -181,8 +181,7 @@ async def test_checker_over_a_directed_stale_write(
     generation-1 write arrives. The real build refuses it and the checker is
     content; the broken build applies it and the checker says so."""
     if broken:
-        for backend in BACKENDS:
-            monkeypatch.setattr(backend, "decide", decide_ignoring_generations)
+        monkeypatch.setattr(STORES, "decide", decide_ignoring_generations)
     proxy = await aiohttp_client(ProxyTestServer(FenceProxy(proxy_config())))
     events = []
     for op, generation in (("new", 2), ("stale", 1)):

@@ -4,7 +4,8 @@ and in-flight records, shared by every proxy that uses it.
 A backend keeps, per job, the highest generation it has accepted and its in-flight
 record (which write may be at the upstream now, until when); per (route, job, key)
 what became of a keyed write; per job its lease. Every decision is taken inside one
-transaction by :func:`fenceproxy.fencing.decide`, and committed before the proxy
+transaction by :func:`decide_write` (the fence, the key and, on a lease-checked
+route, the lease), and committed before the proxy
 forwards anything. Whatever the guarantees rest on lives here, not in a proxy's
 memory: a proxy's own caches (the SQLite store's fences, the proxy's key records)
 are either authoritative because one process owns the store, or only ever refuse
@@ -25,14 +26,24 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 from ..errors import Refusal
-from ..fencing import Admit, Busy, FencedWrite, KeyRecord, KeyState, Replay, StoredResponse
-from ..leasing import Lease, LeaseState
+from ..fencing import (
+    Admit,
+    Busy,
+    FencedWrite,
+    KeyRecord,
+    KeyState,
+    Replay,
+    StoredResponse,
+    decide,
+)
+from ..leasing import Lease, LeaseState, check_write
 from ..log import store_log
 
 __all__ = [
     "JobLocks",
     "LeaseChange",
     "Store",
+    "decide_write",
     "key_not_held",
     "key_record",
     "key_row",
@@ -204,6 +215,18 @@ async def to_completion(work: Awaitable[T]) -> T:
         with contextlib.suppress(Exception):
             await task
         raise
+
+
+def decide_write(
+    write: FencedWrite, current: int | None, key: KeyRecord | None, lease: Lease | None, now: float
+) -> Admit | Replay | Refusal:
+    """:func:`~fenceproxy.fencing.decide`, and for a write that would be admitted on a
+    lease-checked route, the lease check: a refused write never raises the fence.
+    ``lease`` is read only when ``write.check_lease``."""
+    decision = decide(write, current, key)
+    if write.check_lease and isinstance(decision, Admit):
+        return check_write(lease, write.job, write.generation, now) or decision
+    return decision
 
 
 def key_not_held(write: FencedWrite, what: str) -> None:

@@ -34,12 +34,13 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from ..errors import Refusal, StoreError
-from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
+from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leasing import Lease
 from ..log import store_log
 from .base import (
     LeaseChange,
     Store,
+    decide_write,
     key_not_held,
     key_record,
     key_row,
@@ -295,7 +296,10 @@ class PostgresStore(Store):
                 record = key_record(
                     await conn.fetchrow(_READ_KEY, write.job, write.route, write.key, clock)
                 )
-            decision = decide(write, current, record)
+            lease = None
+            if write.check_lease:
+                lease = lease_record(await conn.fetchrow(_LEASE, write.job))
+            decision = decide_write(write, current, record, lease, now)
             if not isinstance(decision, Admit):
                 raise _Undo((decision, recorded_at))
             if not got:

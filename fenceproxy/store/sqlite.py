@@ -38,12 +38,13 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
 from ..errors import Refusal, StoreError, StoreLocked
-from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, decide
+from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leasing import Lease
 from ..log import store_log
 from .base import (
     LeaseChange,
     Store,
+    decide_write,
     key_not_held,
     key_record,
     key_row,
@@ -215,7 +216,8 @@ class SQLiteStore(Store):
             if write.key is not None:
                 key = {"now": now, "route": write.route, "job": write.job, "key": write.key}
                 record = key_record(tx.one(_KEY_SQL, key))
-            decision = decide(write, current, record)
+            lease = lease_record(tx.one(_LEASE_SQL, (write.job,))) if write.check_lease else None
+            decision = decide_write(write, current, record, lease, now)
             if not isinstance(decision, Admit):
                 return decision, recorded_at
             turn = tx.one(
