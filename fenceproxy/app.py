@@ -10,6 +10,7 @@ CPU per request than a ``web.Application`` with one catch-all route.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import time
@@ -19,10 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import Config, parse_listen, parse_store_url, signing_keys
+from .config import Config, lease_credentials, parse_listen, parse_store_url, signing_keys
 from .errors import Refusal
 from .lease_api import LeaseService
-from .log import proxy_log
+from .log import proxy_log, server_log
 from .proxy import Proxy, problem_response
 from .routes import Router
 from .store import Store, open_store
@@ -58,7 +59,9 @@ class FenceProxy:
         self._router = Router(config.routes)
         self._keys = signing_keys(config.signing, "config")
         self._leases = (
-            LeaseService(config.leases, self._keys) if config.leases is not None else None
+            LeaseService(config.leases, self._keys, lease_credentials(config.leases, "config"))
+            if config.leases is not None
+            else None
         )
         self._lease_prefix = config.leases.prefix if config.leases is not None else None
         self._store: Store | None = None
@@ -140,6 +143,16 @@ class FenceProxy:
             return problem_response(refusal)
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (a listen address) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve beyond loopback
+
+
 def _under(path: str, prefix: str) -> bool:
     return len(path) == len(prefix) or path[len(prefix)] == "/"
 
@@ -155,6 +168,12 @@ async def serve(
     close the store. Raises StoreError when the store cannot be opened, OSError when
     the address cannot be listened on."""
     host, port = parse_listen(config.listen)
+    if config.leases is not None and not config.leases.clients and not _loopback(host):
+        server_log.warning(
+            "the lease API on %s takes no credentials: anyone who reaches it can claim, "
+            "renew, complete or release any lease (set leases.clients)",
+            config.listen,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from .app import serve
 from .client import LeaseClient
@@ -76,13 +78,20 @@ def _parser() -> argparse.ArgumentParser:
         "lease",
         help="claim, renew, complete, release or show a lease (for scripts in any language)",
         description="Print the lease service's JSON reply. Exit 0 on success, 1 when the "
-        "service refuses (the problem is printed), 3 when it cannot be reached.",
+        "service refuses (the problem is printed), 3 when it cannot be reached. When the "
+        "lease API takes credentials, the credential is read from the environment variable "
+        "FENCEPROXY_LEASE_TOKEN or from --token-file, never from the command line.",
     )
     lease.add_argument("action", choices=["claim", "renew", "complete", "release", "show"])
     lease.add_argument("job")
     lease.add_argument("--url", default="http://127.0.0.1:8080", help="the proxy's address")
     lease.add_argument("--prefix", default="/_leases")
-    lease.add_argument("--owner", help="who holds the lease (all but show)")
+    lease.add_argument(
+        "--owner",
+        help="who holds the lease (all but show; optional with a credential, whose name "
+        "it qualifies)",
+    )
+    lease.add_argument("--token-file", metavar="FILE", help="a file holding the credential")
     lease.add_argument("--generation", type=int, help="the lease's generation (renew, ...)")
     lease.add_argument("--ttl", type=float, help="seconds (claim, renew)")
     return parser
@@ -129,12 +138,24 @@ def _event_loop(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], s
     return asyncio.new_event_loop, "asyncio loop"
 
 
-async def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.action != "show" and not args.owner:
+def _lease_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The lease API credential: from --token-file, or FENCEPROXY_LEASE_TOKEN."""
+    if args.token_file is None:
+        return os.environ.get("FENCEPROXY_LEASE_TOKEN")
+    try:
+        return Path(args.token_file).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--token-file: cannot read {args.token_file}: {exc}")
+
+
+async def _lease(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, token: str | None
+) -> int:
+    if args.action != "show" and not args.owner and token is None:
         parser.error(f"lease {args.action} needs --owner")
     if args.action in ("renew", "complete", "release") and args.generation is None:
         parser.error(f"lease {args.action} needs --generation")
-    async with LeaseClient(args.url, prefix=args.prefix) as client:
+    async with LeaseClient(args.url, prefix=args.prefix, token=token) as client:
         try:
             if args.action == "claim":
                 reply = (await client.claim(args.job, args.owner, args.ttl)).record
@@ -170,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(generate_key())
         return 0
     if args.command == "lease":
-        return asyncio.run(_lease(parser, args))
+        return asyncio.run(_lease(parser, args, _lease_token(parser, args)))
     try:
         config = _load(args)
         if args.command == "check-config":

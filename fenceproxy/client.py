@@ -16,6 +16,11 @@ one whose clock is right, and a reply that arrives after the deadline counts as
 lost. ``lease.headers()`` raises LeaseLost once the deadline has passed, so a
 worker that was frozen past its lease cannot even build its next write.
 
+When the lease API takes credentials, pass yours as ``token``
+(``LeaseClient(url, token=os.environ["FENCEPROXY_LEASE_TOKEN"])``): it is sent as
+``Authorization: Bearer``, and the leases you take are owned by its name, qualified
+by ``owner``.
+
 Failures, all under :class:`~fenceproxy.errors.LeaseError`: ``LeaseRefused`` (the
 service said no, with its problem body), ``LeaseServiceError`` (it could not be
 reached or answered oddly), ``LeaseLost``.
@@ -66,16 +71,19 @@ class LeaseClient:
         url: str,
         *,
         prefix: str = "/_leases",
+        token: str | None = None,
         session: aiohttp.ClientSession | None = None,
         margin: float = 0.1,
         request_timeout: float = 10.0,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
-        """``margin`` is the share of the ttl held back from the local deadline."""
+        """``margin`` is the share of the ttl held back from the local deadline;
+        ``token`` is the lease API credential, if it takes credentials."""
         if not 0 <= margin < 1:
             raise ValueError("margin is a share of the ttl, from 0 up to (not including) 1")
         self._base = url.rstrip("/") + prefix
+        self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
         self._session = session
         self._own_session = session is None
         self.margin = margin
@@ -96,10 +104,11 @@ class LeaseClient:
 
     # -- one call each ----------------------------------------------------------
 
-    async def claim(self, job: str, owner: str, ttl: float | None = None) -> Grant:
+    async def claim(self, job: str, owner: str | None, ttl: float | None = None) -> Grant:
         """Claim ``job``. Raises LeaseRefused (held, completed), LeaseServiceError,
-        or LeaseLost when the grant arrives after its own local deadline."""
-        body: dict[str, Any] = {"owner": owner}
+        or LeaseLost when the grant arrives after its own local deadline. ``owner``
+        may be None with a credential: the lease is then owned by its name."""
+        body = _holder(owner)
         if ttl is not None:
             body["ttl"] = ttl
         return await self._grant(job, "claim", body, self._timeout)
@@ -107,7 +116,7 @@ class LeaseClient:
     async def renew(
         self,
         job: str,
-        owner: str,
+        owner: str | None,
         generation: int,
         ttl: float | None = None,
         *,
@@ -116,21 +125,19 @@ class LeaseClient:
     ) -> Grant:
         """Extend the lease; ``within`` bounds the request (by default the client's
         request timeout); a reply after ``not_after`` raises LeaseLost."""
-        body: dict[str, Any] = {"owner": owner, "generation": generation}
+        body = _holder(owner, generation)
         if ttl is not None:
             body["ttl"] = ttl
         return await self._grant(job, "renew", body, within or self._timeout, not_after)
 
-    async def complete(self, job: str, owner: str, generation: int) -> dict[str, Any]:
+    async def complete(self, job: str, owner: str | None, generation: int) -> dict[str, Any]:
         """Mark the job done. Safe to retry: a repeat by the same holder answers the same."""
-        return await self._call("POST", job, "complete", {"owner": owner, "generation": generation})
+        return await self._call("POST", job, "complete", _holder(owner, generation))
 
     async def release(
-        self, job: str, owner: str, generation: int, *, within: float | None = None
+        self, job: str, owner: str | None, generation: int, *, within: float | None = None
     ) -> dict[str, Any]:
-        return await self._call(
-            "POST", job, "release", {"owner": owner, "generation": generation}, within
-        )
+        return await self._call("POST", job, "release", _holder(owner, generation), within)
 
     async def show(self, job: str) -> dict[str, Any]:
         return await self._call("GET", job, None, None)
@@ -185,7 +192,7 @@ class LeaseClient:
                 with contextlib.suppress(Exception):
                     await self._call(
                         "POST", job, "release",
-                        {"owner": grant.owner, "generation": grant.generation},
+                        _holder(body.get("owner"), grant.generation),
                         min(self._timeout, 2.0),
                     )  # fmt: skip
             raise LeaseLost(f"the {action} of {job!r} was answered after its local deadline")
@@ -205,7 +212,9 @@ class LeaseClient:
         try:
             # asyncio's own timeout: aiohttp's rounds long ones up to a whole second.
             async with asyncio.timeout(within or self._timeout):
-                async with self._session.request(method, url, json=body) as response:
+                async with self._session.request(
+                    method, url, json=body, headers=self._auth
+                ) as response:
                     status = response.status
                     answer = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -217,6 +226,15 @@ class LeaseClient:
         if status >= 400:
             raise LeaseRefused(status, answer)
         return answer
+
+
+def _holder(owner: str | None, generation: int | None = None) -> dict[str, Any]:
+    """A request body naming the holder: the owner (unless the credential names it)
+    and the generation."""
+    body: dict[str, Any] = {} if owner is None else {"owner": owner}
+    if generation is not None:
+        body["generation"] = generation
+    return body
 
 
 class HeldLease:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import (
     SplitResult,
     parse_qs,
@@ -37,24 +37,30 @@ from pydantic import (
 from yarl import URL
 
 from .errors import ConfigError
+from .lease_auth import SECRET, LeaseCredentials
 from .tokens import KEY_ID, SigningKeys, decode_key
 
 __all__ = [
     "Config",
     "FenceSpec",
     "IdempotencySpec",
+    "LeaseClientSpec",
     "LeasesSpec",
     "RouteSpec",
     "SigningKeySpec",
     "SigningSpec",
     "StoreURL",
     "absolute_store_url",
+    "lease_credentials",
     "load_config",
     "parse_config",
     "parse_listen",
     "parse_store_url",
     "signing_keys",
 ]
+
+T = TypeVar("T")
+S = TypeVar("S", bound="_SecretSpec")
 
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
@@ -305,6 +311,28 @@ class RouteSpec(_Model):
         return value
 
 
+class _SecretSpec(_Model):
+    """A secret read from the environment or a file, never from the config itself."""
+
+    env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    file: str | None = None
+    """Relative to the config file's folder."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _SecretSpec:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env (a variable's name) or file (a path)")
+        return self
+
+
+class LeaseClientSpec(_SecretSpec):
+    """A bearer credential of the lease API: its name (the owner of the leases taken
+    with it) and the job ids it covers (all, or those starting with ``job_prefix``)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
+    job_prefix: str | None = Field(default=None, min_length=1, max_length=256)
+
+
 class LeasesSpec(_Model):
     """The lease API, served by the proxy itself under ``prefix``."""
 
@@ -312,6 +340,8 @@ class LeasesSpec(_Model):
     default_ttl: Duration = 30.0
     min_ttl: Duration = 0.1
     max_ttl: Duration = 86400.0
+    clients: tuple[LeaseClientSpec, ...] = ()
+    """With any, every call needs one of these credentials; with none, the API is open."""
 
     @field_validator("prefix")
     @classmethod
@@ -324,23 +354,16 @@ class LeasesSpec(_Model):
     def _bounds(self) -> LeasesSpec:
         if not self.min_ttl <= self.default_ttl <= self.max_ttl:
             raise ValueError("expected min_ttl <= default_ttl <= max_ttl")
+        names = [client.name for client in self.clients]
+        if len(set(names)) != len(names):
+            raise ValueError("two clients have the same name")
         return self
 
 
-class SigningKeySpec(_Model):
-    """One key that verifies signed tokens, read from the environment or a file (never
-    from this file): unpadded base64url of 32 or more bytes."""
+class SigningKeySpec(_SecretSpec):
+    """One key that verifies signed tokens: unpadded base64url of 32 or more bytes."""
 
     id: str = Field(pattern=f"^{KEY_ID}$")
-    env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    file: str | None = None
-    """Relative to the config file's folder."""
-
-    @model_validator(mode="after")
-    def _one_source(self) -> SigningKeySpec:
-        if (self.env is None) == (self.file is None):
-            raise ValueError("give exactly one of env (a variable's name) or file (a path)")
-        return self
 
 
 class SigningSpec(_Model):
@@ -466,34 +489,71 @@ class Config(_Model):
 def signing_keys(spec: SigningSpec | None, source: str) -> SigningKeys | None:
     """The signing keys' material, from the environment variables and files the
     config names; ConfigError naming ``source`` and the key when one is missing or
-    not a key. A relative file is taken from the working directory: ``load_config``
-    has made the file's own relative paths absolute."""
+    not a key."""
     if spec is None:
         return None
-    material: dict[str, bytes] = {}
+    material = _read_secrets(source, "signing.keys", spec.keys, decode_key)
+    return SigningKeys(
+        {key.id: value for key, value in zip(spec.keys, material, strict=True)},
+        spec.sign_with or spec.keys[0].id,
+    )
+
+
+def lease_credentials(spec: LeasesSpec | None, source: str) -> LeaseCredentials | None:
+    """The lease API's credentials, read as :func:`signing_keys` reads keys; None when
+    the API is off or open."""
+    if spec is None or not spec.clients:
+        return None
+    secrets = _read_secrets(source, "leases.clients", spec.clients, _bearer_secret)
+    try:
+        return LeaseCredentials(
+            (client.name, secret, client.job_prefix)
+            for client, secret in zip(spec.clients, secrets, strict=True)
+        )
+    except ValueError as exc:
+        raise ConfigError(source, [("leases.clients", str(exc))]) from None
+
+
+def _bearer_secret(text: str) -> str:
+    text = text.strip()
+    if not SECRET.fullmatch(text):
+        raise ValueError(
+            "a credential is 32 to 1024 characters of A-Z a-z 0-9 . _ ~ + / - "
+            "(fenceproxy keys generate prints one)"
+        )
+    return text
+
+
+def _read_secrets(
+    source: str, key: str, specs: tuple[_SecretSpec, ...], decode: Callable[[str], T]
+) -> list[T]:
+    """Each secret of ``specs`` (the list at ``key``), decoded; ConfigError naming
+    ``source`` and every one that is missing or malformed. A relative file is taken
+    from the working directory: ``load_config`` has made the file's own relative paths
+    absolute."""
+    values: list[T] = []
     problems: list[tuple[str, str]] = []
-    for n, key in enumerate(spec.keys):
-        where = f"signing.keys[{n}]"
-        if key.env is not None:
-            where, text = f"{where}.env", os.environ.get(key.env)
+    for n, spec in enumerate(specs):
+        if spec.env is not None:
+            where, text = f"{key}[{n}].env", os.environ.get(spec.env)
             if text is None:
-                problems.append((where, f"the environment variable {key.env} is not set"))
+                problems.append((where, f"the environment variable {spec.env} is not set"))
                 continue
         else:
-            assert key.file is not None
-            where = f"{where}.file"
+            assert spec.file is not None
+            where = f"{key}[{n}].file"
             try:
-                text = Path(key.file).read_text(encoding="ascii")
+                text = Path(spec.file).read_text(encoding="ascii")
             except (OSError, UnicodeDecodeError) as exc:
-                problems.append((where, f"cannot read {key.file}: {exc}"))
+                problems.append((where, f"cannot read {spec.file}: {exc}"))
                 continue
         try:
-            material[key.id] = decode_key(text)
+            values.append(decode(text))
         except ValueError as exc:
             problems.append((where, str(exc)))
     if problems:
         raise ConfigError(source, problems)
-    return SigningKeys(material, spec.sign_with or spec.keys[0].id)
+    return values
 
 
 def _key(loc: tuple[int | str, ...]) -> str:
@@ -585,13 +645,22 @@ def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) ->
     config = parse_config(data, source, overrides)
     base = os.getcwd() if overrides and "store" in overrides else Path(path).parent
     update: dict[str, Any] = {"store": absolute_store_url(config.store, base)}
+    folder = Path(path).parent.absolute()
     if config.signing is not None:
-        folder = Path(path).parent.absolute()
-        keys = tuple(
-            key if key.file is None else key.model_copy(update={"file": str(folder / key.file)})
-            for key in config.signing.keys
-        )
+        keys = _absolute_files(config.signing.keys, folder)
         update["signing"] = config.signing.model_copy(update={"keys": keys})
+    if config.leases is not None:
+        clients = _absolute_files(config.leases.clients, folder)
+        update["leases"] = config.leases.model_copy(update={"clients": clients})
     config = config.model_copy(update=update)
-    signing_keys(config.signing, source)  # every key present and well-formed, now
+    # Every secret present and well-formed, now.
+    signing_keys(config.signing, source)
+    lease_credentials(config.leases, source)
     return config
+
+
+def _absolute_files(specs: tuple[S, ...], folder: Path) -> tuple[S, ...]:
+    return tuple(
+        spec if spec.file is None else spec.model_copy(update={"file": str(folder / spec.file)})
+        for spec in specs
+    )

@@ -30,6 +30,8 @@
         ├── JobQuarantined           503  an earlier write of the job has an unknown outcome
         ├── LeaseRequestMalformed    400  a lease request body that is not JSON
         ├── LeaseRequestInvalid      422  a lease request with missing or invalid fields
+        ├── LeaseUnauthenticated     401  the lease API needs a credential it knows
+        ├── LeaseOutOfScope          403  the credential does not cover this job
         ├── LeaseNotFound            404  no lease was ever taken on the job
         ├── LeaseHeld                409  claim: another holder's lease is live (Retry-After)
         ├── JobCompleted             409  the job was completed; it takes no more claims
@@ -74,12 +76,14 @@ __all__ = [
     "LeaseMismatch",
     "LeaseNotFound",
     "LeaseNotLive",
+    "LeaseOutOfScope",
     "LeaseRefused",
     "LeaseReleased",
     "LeaseRequestInvalid",
     "LeaseRequestMalformed",
     "LeaseServiceError",
     "LeaseSuperseded",
+    "LeaseUnauthenticated",
     "MethodOverrideMalformed",
     "NoRoute",
     "Refusal",
@@ -162,6 +166,8 @@ class Refusal(FenceProxyError):
     slug: ClassVar[str]
     status: ClassVar[int]
     title: ClassVar[str]
+    challenge: ClassVar[str | None] = None
+    """For a 401: the ``WWW-Authenticate`` value sent with it."""
 
     def __init__(self, detail: str, *, retry_after: float | None = None, **extensions: Any) -> None:
         super().__init__(detail)
@@ -280,6 +286,15 @@ class LeaseRequestMalformed(Refusal):
 
 class LeaseRequestInvalid(Refusal):
     slug, status, title = "lease-request-invalid", 422, "Lease request fields are invalid"
+
+
+class LeaseUnauthenticated(Refusal):
+    slug, status, title = "lease-unauthenticated", 401, "Lease API credential required"
+    challenge = 'Bearer realm="fenceproxy leases"'
+
+
+class LeaseOutOfScope(Refusal):
+    slug, status, title = "lease-out-of-scope", 403, "The credential does not cover this job"
 
 
 class LeaseNotFound(Refusal):

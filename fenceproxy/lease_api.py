@@ -10,6 +10,11 @@ JSON in and out; every refusal is problem+json with its own type. A body that is
 not JSON is 400, missing or invalid fields 422 naming each field. The store's
 clock decides expiry; ``ttl`` is in seconds, fractional allowed, bounded by the
 config, and optional (``leases.default_ttl``).
+
+With credentials configured (``leases.clients``), every call needs one
+(:mod:`fenceproxy.lease_auth`): 401 without, 403 for a job it does not cover. The
+lease's owner is then the credential's name (``name/owner`` when the body names an
+owner too, which it need not).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from .errors import (
     Refusal,
 )
 from .fencing import GENERATION_MAX, parse_job
+from .lease_auth import LeaseCaller, LeaseCredentials
 from .leasing import Lease, LeaseState
 from .log import lease_log
 from .store import Store
@@ -64,29 +70,37 @@ class _Body(BaseModel):
 
 
 class _Claim(_Body):
-    owner: Owner
+    owner: Owner | None = None
+    """Required unless the API takes credentials (see :meth:`LeaseService._owner`)."""
     ttl: Seconds | None = None
 
 
 class _Renew(_Body):
-    owner: Owner
+    owner: Owner | None = None
     generation: Generation
     ttl: Seconds | None = None
 
 
 class _Holder(_Body):
-    owner: Owner
+    owner: Owner | None = None
     generation: Generation
 
 
 class LeaseService:
     """Handlers for the lease API. ``store`` is set once the app has opened it."""
 
-    def __init__(self, spec: LeasesSpec, keys: SigningKeys | None = None) -> None:
-        """With ``keys``, the tokens handed out are signed (see :mod:`fenceproxy.tokens`)."""
+    def __init__(
+        self,
+        spec: LeasesSpec,
+        keys: SigningKeys | None = None,
+        credentials: LeaseCredentials | None = None,
+    ) -> None:
+        """With ``keys``, the tokens handed out are signed (see :mod:`fenceproxy.tokens`);
+        with ``credentials``, every call needs one."""
         self.spec = spec
         self.store: Store | None = None
         self._keys = keys
+        self._credentials = credentials
         self._actions = {
             "claim": self.claim,
             "renew": self.renew,
@@ -97,44 +111,55 @@ class LeaseService:
     async def handle(self, request: web.BaseRequest, path: str) -> web.Response:
         """Answer a request whose raw ``path`` is under the prefix; everything under
         it is the lease API's, never an upstream's."""
+        caller = None
+        if self._credentials is not None:  # before anything else is told
+            caller = self._credentials.authenticate(request.headers.get("Authorization"))
         parts = path[len(self.spec.prefix) :].split("/")
         if len(parts) == 2 and parts[1] and request.method in ("GET", "HEAD"):
-            return await self.show(request, _job(parts[1]))
+            return await self.show(request, _scoped_job(parts[1], caller))
         if len(parts) == 3 and parts[1] and request.method == "POST":
             action = self._actions.get(parts[2])
             if action is not None:
-                return await action(request, _job(parts[1]))
+                return await action(request, _scoped_job(parts[1], caller), caller)
         raise NoRoute(
             f"the lease API has no {request.method} {self.spec.prefix}/...{{job}}/... endpoint "
             "like this; see claim, renew, complete, release and GET"
         )
 
-    async def claim(self, request: web.BaseRequest, job: str) -> web.Response:
+    async def claim(
+        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
+    ) -> web.Response:
         body = await _parse(request, _Claim)
+        owner = _owner(body.owner, caller)
         ttl = self._ttl(body.ttl)
         result, now = await self._change(
-            job, lambda cur, fence, now: leasing.claim(cur, fence, job, body.owner, ttl, now)
+            job, lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now)
         )
-        lease_log.info("claim %r by %r: generation %d", job, body.owner, result.generation)
+        lease_log.info("claim %r by %r: generation %d", job, owner, result.generation)
         return self._answer(result, now)
 
-    async def renew(self, request: web.BaseRequest, job: str) -> web.Response:
+    async def renew(
+        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
+    ) -> web.Response:
         body = await _parse(request, _Renew)
+        owner = _owner(body.owner, caller)
         ttl = None if body.ttl is None else self._ttl(body.ttl)
         return self._answer(
             *await self._change(
                 job,
-                lambda cur, fence, now: leasing.renew(
-                    cur, job, body.owner, body.generation, ttl, now
-                ),
+                lambda cur, fence, now: leasing.renew(cur, job, owner, body.generation, ttl, now),
             )
         )
 
-    async def complete(self, request: web.BaseRequest, job: str) -> web.Response:
-        return await self._end(request, job, leasing.complete)
+    async def complete(
+        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
+    ) -> web.Response:
+        return await self._end(request, job, caller, leasing.complete)
 
-    async def release(self, request: web.BaseRequest, job: str) -> web.Response:
-        return await self._end(request, job, leasing.release)
+    async def release(
+        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
+    ) -> web.Response:
+        return await self._end(request, job, caller, leasing.release)
 
     async def show(self, request: web.BaseRequest, job: str) -> web.Response:
         lease, now = await self._store().lease(job)
@@ -144,14 +169,15 @@ class LeaseService:
         # looks the job up: it would let them write as the holder.
         return self._answer(lease, now, with_token=self._keys is None)
 
-    async def _end(self, request: web.BaseRequest, job: str, decide: Any) -> web.Response:
+    async def _end(
+        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None, decide: Any
+    ) -> web.Response:
         body = await _parse(request, _Holder)
+        owner = _owner(body.owner, caller)
         result, now = await self._change(
-            job, lambda cur, fence, now: decide(cur, job, body.owner, body.generation, now)
+            job, lambda cur, fence, now: decide(cur, job, owner, body.generation, now)
         )
-        lease_log.info(
-            "%s %r by %r at generation %d", result.state, job, body.owner, body.generation
-        )
+        lease_log.info("%s %r by %r at generation %d", result.state, job, owner, body.generation)
         return self._answer(result, now)
 
     async def _change(self, job: str, change: Any) -> tuple[Lease, float]:
@@ -200,6 +226,24 @@ def _job(segment: str) -> str:
     """The job id, from its still-encoded path segment: bytes that are not UTF-8 are
     refused, never read as literal text."""
     return parse_job(unquote(segment, errors="surrogateescape"), "path")
+
+
+def _scoped_job(segment: str, caller: LeaseCaller | None) -> str:
+    """The job id of a path segment, if the caller's credential covers it."""
+    job = _job(segment)
+    if caller is not None:
+        caller.check(job)
+    return job
+
+
+def _owner(chosen: str | None, caller: LeaseCaller | None) -> str:
+    """The owner recorded for a request: its own, or its credential's name (qualified
+    by its own, if it named one)."""
+    if caller is not None:
+        return caller.owner(chosen)
+    if chosen is None:
+        raise _invalid("owner", "Field required")
+    return chosen
 
 
 def _invalid(field: str, message: str) -> LeaseRequestInvalid:

@@ -109,6 +109,8 @@ def problem_response(refusal: Refusal) -> web.Response:
     )
     if refusal.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, round(refusal.retry_after + 0.499)))
+    if refusal.challenge is not None:
+        response.headers["WWW-Authenticate"] = refusal.challenge
     return response
 
 

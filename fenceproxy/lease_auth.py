@@ -1,0 +1,85 @@
+"""Who may use the lease API: bearer credentials, each with a name and optionally a
+job-id prefix it is limited to. Pure, without I/O: the secrets are read by the config
+loader.
+
+A request names its credential in ``Authorization: Bearer <secret>``. The secret is
+compared with every configured one in constant time (as SHA-256 digests, so neither
+the length nor the position of a mismatch shows), all of them each time. The name of
+the credential that matched becomes the lease's owner: ``name`` alone, or
+``name/owner`` when the request also names an owner of its own (a worker among several
+sharing one credential). So a client can renew, complete or release only a lease
+taken under its own credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .errors import LeaseOutOfScope, LeaseUnauthenticated
+
+__all__ = ["SECRET", "LeaseCaller", "LeaseCredentials"]
+
+SECRET = re.compile(r"[A-Za-z0-9._~+/-]{32,1024}=*", re.ASCII)
+"""What a bearer secret may be: an RFC 6750 token68 of 32 characters or more
+(``fenceproxy keys generate`` prints one)."""
+_BEARER = re.compile(r"Bearer +([A-Za-z0-9._~+/-]+=*) *", re.ASCII | re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCaller:
+    """The authenticated caller of one request."""
+
+    name: str
+    job_prefix: str | None
+
+    def check(self, job: str) -> None:
+        """Raise LeaseOutOfScope unless this credential covers ``job``."""
+        if self.job_prefix is not None and not job.startswith(self.job_prefix):
+            raise LeaseOutOfScope(
+                f"the credential {self.name!r} covers only jobs whose id starts with "
+                f"{self.job_prefix!r}",
+                credential=self.name,
+            )
+
+    def owner(self, chosen: str | None) -> str:
+        """The lease owner recorded for this caller, given the owner its request named."""
+        return self.name if chosen is None else f"{self.name}/{chosen}"
+
+
+class LeaseCredentials:
+    """The configured credentials: ``(name, secret, job_prefix)`` each."""
+
+    __slots__ = ("_callers",)
+
+    def __init__(self, credentials: Iterable[tuple[str, str, str | None]]) -> None:
+        self._callers = tuple(
+            (_digest(secret), LeaseCaller(name, prefix)) for name, secret, prefix in credentials
+        )
+        if len({digest for digest, _ in self._callers}) != len(self._callers):
+            raise ValueError("two credentials have the same secret")
+
+    def authenticate(self, authorization: str | None) -> LeaseCaller:
+        """The caller whose secret ``authorization`` (the header's value) carries;
+        LeaseUnauthenticated when there is none, it is not a bearer secret, or no
+        credential has it."""
+        m = None if authorization is None else _BEARER.fullmatch(authorization)
+        if m is None:
+            raise LeaseUnauthenticated(
+                "the lease API needs a credential: Authorization: Bearer <secret>"
+            )
+        presented = _digest(m.group(1))
+        found = None
+        for digest, caller in self._callers:  # every one, whichever matches
+            if hmac.compare_digest(digest, presented):
+                found = caller
+        if found is None:
+            raise LeaseUnauthenticated("the lease API does not know this credential")
+        return found
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("ascii")).digest()
