@@ -10,8 +10,12 @@ CPU per request than a ``web.Application`` with one catch-all route.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import ctypes.util
 import ipaddress
 import logging
+import resource
 import signal
 import time
 from collections.abc import Callable
@@ -21,10 +25,18 @@ from typing import Any
 from aiohttp import web
 
 from .config import Config, lease_credentials, parse_listen, parse_store_url, signing_keys
+from .edge import (
+    Bodies,
+    ProxyServer,
+    RefusedRequest,
+    connection_cap,
+    log_accept_errors,
+    problem_response,
+)
 from .errors import Refusal
 from .lease_api import LeaseService
 from .log import proxy_log, server_log
-from .proxy import Proxy, problem_response
+from .proxy import Proxy
 from .routes import Router
 from .store import Store, open_store
 from .target import canonical_path
@@ -34,6 +46,7 @@ __all__ = ["FenceProxy", "serve"]
 
 # Limits of the request head; a request beyond them is refused by the server with 4xx.
 _SERVER_LIMITS: dict[str, Any] = {"max_headers": 100}
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 class FenceProxy:
@@ -58,8 +71,14 @@ class FenceProxy:
         self._clock = clock
         self._router = Router(config.routes)
         self._keys = signing_keys(config.signing, "config")
+        self._bodies = Bodies(config.limits.max_buffered, config.limits.body_timeout)
         self._leases = (
-            LeaseService(config.leases, self._keys, lease_credentials(config.leases, "config"))
+            LeaseService(
+                config.leases,
+                self._bodies,
+                self._keys,
+                lease_credentials(config.leases, "config"),
+            )
             if config.leases is not None
             else None
         )
@@ -72,6 +91,11 @@ class FenceProxy:
     def store(self) -> Store:
         assert self._store is not None, "the proxy is not open"
         return self._store
+
+    @property
+    def bodies(self) -> Bodies:
+        """The request bodies held in memory (``held`` bytes of ``cap``)."""
+        return self._bodies
 
     @property
     def upstreams(self) -> UpstreamPool:
@@ -92,6 +116,7 @@ class FenceProxy:
             self._upstreams,
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
+            bodies=self._bodies,
             keys=self._keys,
         )
         return self
@@ -110,18 +135,23 @@ class FenceProxy:
             await self._store.close()
         self._proxy = self._upstreams = self._store = None
 
-    def server(self, **kwargs: Any) -> web.Server:
-        """An aiohttp low-level server for :meth:`handle`; ``kwargs`` go to it (for
-        example ``access_log``)."""
+    def server(self, **kwargs: Any) -> ProxyServer:
+        """The low-level server for :meth:`handle`, with the config's limits at the
+        door (:mod:`fenceproxy.edge`); ``kwargs`` go to aiohttp's (for example
+        ``access_log``)."""
         # auto_decompress off: a compressed request body is forwarded as it came, with
         # its Content-Encoding, never decoded on the way.
-        return web.Server(self.handle, auto_decompress=False, **_SERVER_LIMITS, **kwargs)
+        return ProxyServer(
+            self.handle, self.config.limits, auto_decompress=False, **_SERVER_LIMITS, **kwargs
+        )
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Answer one request: the lease API under its prefix, a route otherwise.
         Refusals become RFC 9457 problem answers, each logged once."""
         assert self._proxy is not None, "the proxy is not open"
         try:
+            if type(request) is RefusedRequest:
+                raise request.refusal
             raw = request.rel_url.raw_path
             prefix = self._lease_prefix
             if prefix is not None and raw.startswith(prefix) and _under(raw, prefix):
@@ -141,6 +171,37 @@ class FenceProxy:
                     refusal.detail,
                 )
             return problem_response(refusal)
+
+
+def _return_freed_memory() -> None:
+    """Have glibc's malloc serve every block of 128 KiB or more from its own mapping,
+    given back to the system when freed. By default the threshold rises after such a
+    block is freed, and bodies held by a flood of clients stay in the heap afterwards:
+    150 bodies held open left 267 MiB resident, against 66 MiB with this."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(libc_name).mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def _connection_cap(configured: int) -> int:
+    """Raise this process's descriptor limit to its hard limit (as Go's runtime and
+    nginx's worker_rlimit_nofile do), then fit the connection cap below it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    cap = connection_cap(configured)
+    if cap < configured:
+        server_log.warning(
+            "limits.max_connections lowered from %d to %d: the descriptor limit is %d "
+            "(each client connection may need an upstream one too)",
+            configured,
+            cap,
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        )
+    return cap
 
 
 def _loopback(host: str) -> bool:
@@ -178,9 +239,12 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    log_accept_errors(loop)
+    _return_freed_memory()
+    max_connections = _connection_cap(config.limits.max_connections)
     async with FenceProxy(config) as proxy:
         runner = web.ServerRunner(
-            proxy.server(access_log=access_log),
+            proxy.server(access_log=access_log, max_connections=max_connections),
             handle_signals=False,
             shutdown_timeout=config.shutdown_timeout,
         )

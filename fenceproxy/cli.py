@@ -16,7 +16,7 @@ from .client import LeaseClient
 from .config import Config, load_config, parse_listen, parse_store_url
 from .demo import run_demo
 from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
-from .log import MalformedRequestFilter, access_log, server_log
+from .log import access_log, server_log
 from .store import migrate_store
 from .tokens import generate_key
 
@@ -108,7 +108,6 @@ def _serve(config: Config, args: argparse.Namespace) -> None:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    logging.getLogger("aiohttp.server").addFilter(MalformedRequestFilter())
     host, port = parse_listen(config.listen)
     loop, loop_name = _event_loop(args.loop)
     server_log.info(

@@ -46,6 +46,7 @@ __all__ = [
     "IdempotencySpec",
     "LeaseClientSpec",
     "LeasesSpec",
+    "LimitsSpec",
     "RouteSpec",
     "SigningKeySpec",
     "SigningSpec",
@@ -390,6 +391,23 @@ class IdempotencySpec(_Model):
     max_response: Size = 1024 * 1024
 
 
+class LimitsSpec(_Model):
+    """What one client may hold of the proxy, at the door (nginx's defaults)."""
+
+    header_timeout: Duration = 60.0
+    """The whole request head must arrive within this, from its first byte (or from
+    the connection's opening): 408 and the connection closed otherwise."""
+    body_timeout: Duration = 60.0
+    """The longest wait between two reads of a request body: 408 otherwise."""
+    keepalive_timeout: Duration = 75.0
+    """An idle keep-alive connection is closed after this."""
+    max_connections: int = Field(default=10_000, ge=1)
+    """Open client connections; lowered at start to fit the descriptor limit."""
+    max_buffered: Size = 256 * 1024**2
+    """Request bodies held in memory at once, every request together: beyond it,
+    503 with Retry-After."""
+
+
 class Config(_Model):
     """The whole file."""
 
@@ -402,6 +420,7 @@ class Config(_Model):
     """Keys for signed fencing tokens; without them tokens are plain integers."""
     trusted_proxies: tuple[str, ...] = ()
     shutdown_timeout: Duration = 30.0
+    limits: LimitsSpec = LimitsSpec()
     routes: tuple[RouteSpec, ...] = Field(min_length=1)
 
     @field_validator("listen", mode="before")

@@ -12,6 +12,14 @@
         ├── RequestTargetMalformed   400  a path the proxy and an upstream could read differently
         ├── MethodOverrideMalformed  400  a method-override header that is repeated or not a method
         ├── RequestHeaderMalformed   400  a header value that cannot be forwarded as it came
+        ├── RequestMalformed         400  the HTTP parser refused the request (bad framing, ...)
+        ├── RequestHeadTooLarge      431  the request line or a header too long, or too many
+        ├── HeaderTimeout            408  the request head did not arrive in time
+        ├── BodyTimeout              408  the body stopped arriving for too long
+        ├── ClientClosedRequest      499  the client went away before its body was in
+        ├── VersionNotSupported      505  a request line of another HTTP than 1.0 and 1.1
+        ├── ProxyBusy                503  too many connections, or bodies held in memory
+        ├── InternalError            500  a bug: logged with its traceback
         ├── NoRoute                  404  no route matches the path
         ├── BodyTooLarge             413  body above the route's limit
         ├── UnsupportedFraming       501  a transfer coding other than chunked
@@ -56,7 +64,9 @@ from typing import Any, ClassVar
 
 __all__ = [
     "PROBLEM_BASE",
+    "BodyTimeout",
     "BodyTooLarge",
+    "ClientClosedRequest",
     "ConfigError",
     "DuplicateInFlight",
     "DuplicateNotStored",
@@ -65,7 +75,9 @@ __all__ = [
     "FenceProxyError",
     "FencingHeaderMalformed",
     "FencingHeaderMissing",
+    "HeaderTimeout",
     "IdempotencyKeyMalformed",
+    "InternalError",
     "JobCompleted",
     "JobQuarantined",
     "KeyReused",
@@ -86,8 +98,11 @@ __all__ = [
     "LeaseUnauthenticated",
     "MethodOverrideMalformed",
     "NoRoute",
+    "ProxyBusy",
     "Refusal",
+    "RequestHeadTooLarge",
     "RequestHeaderMalformed",
+    "RequestMalformed",
     "RequestTargetMalformed",
     "StaleGeneration",
     "StoreError",
@@ -99,6 +114,7 @@ __all__ = [
     "UpstreamFailed",
     "UpstreamTimeout",
     "UpstreamUnreachable",
+    "VersionNotSupported",
 ]
 
 PROBLEM_BASE = "urn:fenceproxy:problem:"
@@ -198,6 +214,40 @@ class MethodOverrideMalformed(Refusal):
 
 class RequestHeaderMalformed(Refusal):
     slug, status, title = "request-header-malformed", 400, "Request header cannot be forwarded"
+
+
+class RequestMalformed(Refusal):
+    slug, status, title = "request-malformed", 400, "Request cannot be parsed"
+
+
+class RequestHeadTooLarge(Refusal):
+    slug, status, title = "request-head-too-large", 431, "Request head too large"
+
+
+class HeaderTimeout(Refusal):
+    slug, status, title = "header-timeout", 408, "Request head not received in time"
+
+
+class BodyTimeout(Refusal):
+    slug, status, title = "body-timeout", 408, "Request body stopped arriving"
+
+
+class ClientClosedRequest(Refusal):
+    """Logged and counted; never seen by the client, which has gone (nginx's 499)."""
+
+    slug, status, title = "client-closed-request", 499, "The client closed the connection"
+
+
+class VersionNotSupported(Refusal):
+    slug, status, title = "http-version-not-supported", 505, "HTTP version not supported"
+
+
+class ProxyBusy(Refusal):
+    slug, status, title = "proxy-busy", 503, "The proxy is at one of its limits"
+
+
+class InternalError(Refusal):
+    slug, status, title = "internal-error", 500, "Internal error"
 
 
 class NoRoute(Refusal):

@@ -29,6 +29,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from . import leasing
 from .config import LeasesSpec
+from .edge import Bodies
 from .errors import (
     LeaseNotFound,
     LeaseRequestInvalid,
@@ -92,15 +93,17 @@ class LeaseService:
     def __init__(
         self,
         spec: LeasesSpec,
+        bodies: Bodies,
         keys: SigningKeys | None = None,
         credentials: LeaseCredentials | None = None,
     ) -> None:
-        """With ``keys``, the tokens handed out are signed (see :mod:`fenceproxy.tokens`);
-        with ``credentials``, every call needs one."""
+        """Bodies are read through ``bodies``. With ``keys``, the tokens handed out are
+        signed (see :mod:`fenceproxy.tokens`); with ``credentials``, every call needs one."""
         self.spec = spec
         self.store: Store | None = None
         self._keys = keys
         self._credentials = credentials
+        self._bodies = bodies
         self._actions = {
             "claim": self.claim,
             "renew": self.renew,
@@ -129,7 +132,7 @@ class LeaseService:
     async def claim(
         self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
     ) -> web.Response:
-        body = await _parse(request, _Claim)
+        body = await self._parse(request, _Claim)
         owner = _owner(body.owner, caller)
         ttl = self._ttl(body.ttl)
         result, now = await self._change(
@@ -141,7 +144,7 @@ class LeaseService:
     async def renew(
         self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
     ) -> web.Response:
-        body = await _parse(request, _Renew)
+        body = await self._parse(request, _Renew)
         owner = _owner(body.owner, caller)
         ttl = None if body.ttl is None else self._ttl(body.ttl)
         return self._answer(
@@ -172,7 +175,7 @@ class LeaseService:
     async def _end(
         self, request: web.BaseRequest, job: str, caller: LeaseCaller | None, decide: Any
     ) -> web.Response:
-        body = await _parse(request, _Holder)
+        body = await self._parse(request, _Holder)
         owner = _owner(body.owner, caller)
         result, now = await self._change(
             job, lambda cur, fence, now: decide(cur, job, owner, body.generation, now)
@@ -186,6 +189,29 @@ class LeaseService:
         if isinstance(result, Refusal):
             raise result
         return result, now
+
+    async def _parse(self, request: web.BaseRequest, schema: type[_Body]) -> Any:
+        raw = await self._bodies.read(request, _MAX_BODY)
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise LeaseRequestMalformed("the body must be a JSON object") from None
+        finally:
+            self._bodies.release(len(raw))
+        if not isinstance(data, dict):
+            raise _invalid("(body)", "expected a JSON object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as exc:
+            errors = [
+                {
+                    "field": ".".join(str(p) for p in err["loc"]) or "(body)",
+                    "message": err["msg"].removeprefix("Value error, "),
+                }
+                for err in exc.errors(include_url=False)
+            ]
+            detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+            raise LeaseRequestInvalid(detail, errors=errors) from None
 
     def _ttl(self, ttl: float | None) -> float:
         if ttl is None:
@@ -248,29 +274,3 @@ def _owner(chosen: str | None, caller: LeaseCaller | None) -> str:
 
 def _invalid(field: str, message: str) -> LeaseRequestInvalid:
     return LeaseRequestInvalid(f"{field}: {message}", errors=[{"field": field, "message": message}])
-
-
-async def _parse(request: web.BaseRequest, schema: type[_Body]) -> Any:
-    raw = bytearray()
-    async for chunk in request.content.iter_chunked(_MAX_BODY):
-        raw += chunk
-        if len(raw) > _MAX_BODY:
-            raise LeaseRequestMalformed(f"the body is larger than {_MAX_BODY} bytes")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise LeaseRequestMalformed("the body must be a JSON object") from None
-    if not isinstance(data, dict):
-        raise _invalid("(body)", "expected a JSON object")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        errors = [
-            {
-                "field": ".".join(str(p) for p in err["loc"]) or "(body)",
-                "message": err["msg"].removeprefix("Value error, "),
-            }
-            for err in exc.errors(include_url=False)
-        ]
-        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-        raise LeaseRequestInvalid(detail, errors=errors) from None

@@ -43,6 +43,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from . import hdrs
+from .edge import Bodies
 from .errors import (
     BodyTooLarge,
     FencingHeaderMalformed,
@@ -84,13 +85,11 @@ from .upstream import (
     response_headers,
 )
 
-__all__ = ["PROBLEM_JSON", "Proxy", "problem_response"]
+__all__ = ["Proxy"]
 
 T = TypeVar("T")
 # What became of an admitted keyed write: the upstream's answer, or one of these.
 _Outcome = StoredResponse | Literal["unknown", "not-sent"]
-PROBLEM_JSON = "application/problem+json"
-_CHUNK = 64 * 1024
 # An unfenced body up to this size is read whole and sent in one piece, as nginx
 # buffers request bodies; a longer or chunked one is streamed through.
 _BUFFERED = 64 * 1024
@@ -101,17 +100,6 @@ _TURN_SLACK = 1.0
 _BUSY_POLL_FIRST = 0.002
 _BUSY_POLL_MAX = 0.05
 _Slot = tuple[str, str, str]
-
-
-def problem_response(refusal: Refusal) -> web.Response:
-    response = web.json_response(
-        refusal.problem(), status=refusal.status, content_type=PROBLEM_JSON
-    )
-    if refusal.retry_after is not None:
-        response.headers["Retry-After"] = str(max(1, round(refusal.retry_after + 0.499)))
-    if refusal.challenge is not None:
-        response.headers["WWW-Authenticate"] = refusal.challenge
-    return response
 
 
 class Proxy:
@@ -125,9 +113,11 @@ class Proxy:
         *,
         trusted: TrustedProxies,
         max_stored_response: int,
+        bodies: Bodies,
         keys: SigningKeys | None = None,
     ) -> None:
         self._router = router
+        self._bodies = bodies
         self._store = store
         self._upstreams = upstreams
         self._trusted = trusted
@@ -185,16 +175,25 @@ class Proxy:
     ) -> web.StreamResponse:
         _check_length(request, route)
         length = request.content_length
-        body: bytes | _LimitedBody | None = None
         if length is not None and length <= _BUFFERED:
-            body = await _read_limited(request, route)  # one write to the upstream
-        elif request.body_exists:
-            body = _LimitedBody(request, route.max_body)
+            body = await self._bodies.read(request, route.max_body)  # one write upstream
+            try:
+                return await self._send(request, route, target, length, body)
+            finally:
+                self._bodies.release(len(body))
+        stream = self._bodies.stream(request, route.max_body) if request.body_exists else None
+        return await self._send(request, route, target, length, stream)
+
+    async def _send(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        target: str,
+        length: int | None,
+        body: bytes | AsyncIterator[bytes] | None,
+    ) -> web.StreamResponse:
         headers = forwarded_headers(request, self._trusted, length)
-        try:
-            upstream = await self._upstreams.send(route, request.method, target, headers, body)
-        except BodyTooLarge:
-            raise _body_too_large(route) from None
+        upstream = await self._upstreams.send(route, request.method, target, headers, body)
         try:
             return await _relay(request, upstream)
         finally:
@@ -244,26 +243,38 @@ class Proxy:
         key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
-        body = await _read_limited(request, route)
-
-        hold = _in_flight_for(route) + route.quarantine + _TURN_SLACK
-        if key is None:
+        body = await self._bodies.read(request, route.max_body)
+        try:
+            fp = None if key is None else fingerprint(request.method, target, body, override)
             write = FencedWrite(
-                route.name, job, generation, hold=hold, check_lease=fence.check_lease
+                route.name,
+                job,
+                generation,
+                key=key,
+                fingerprint=fp,
+                replay=fence.replay,
+                hold=_in_flight_for(route) + route.quarantine + _TURN_SLACK,
+                check_lease=fence.check_lease,
             )
-            return await self._forward_fenced(request, route, target, write, headers, body)
+            if key is None:
+                return await self._forward_fenced(request, route, target, write, headers, body)
+            return await self._keyed(request, route, target, write, headers, body)
+        finally:
+            self._bodies.release(len(body))
 
-        write = FencedWrite(
-            route.name,
-            job,
-            generation,
-            key=key,
-            fingerprint=fingerprint(request.method, target, body, override),
-            replay=fence.replay,
-            hold=hold,
-            check_lease=fence.check_lease,
-        )
-        slot = (route.name, job, key)
+    async def _keyed(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        target: str,
+        write: FencedWrite,
+        headers: CIMultiDict[str],
+        body: bytes,
+    ) -> web.StreamResponse:
+        """A keyed write: a duplicate of one this process is still settling is refused
+        or replayed at once; otherwise it goes on, marked in flight here meanwhile."""
+        assert write.key is not None
+        slot = (route.name, write.job, write.key)
         if (record := self._keys.get(slot)) is not None:
             decision = decide(write, None, record)
             if isinstance(decision, Refusal):
@@ -509,54 +520,13 @@ def _record(fp: bytes, outcome: _Outcome) -> KeyRecord:
     return KeyRecord(KeyState.UNKNOWN, fp)
 
 
-def _body_too_large(route: Route) -> BodyTooLarge:
-    return BodyTooLarge(
-        f"the body is larger than this route's limit of {route.max_body} bytes",
-        max_body=route.max_body,
-    )
-
-
 def _check_length(request: web.BaseRequest, route: Route) -> None:
     length = request.content_length
     if length is not None and length > route.max_body:
-        raise _body_too_large(route)
-
-
-async def _read_limited(request: web.BaseRequest, route: Route) -> bytes:
-    content = request.content
-    if content.is_eof() and content.exception() is None:
-        # Arrived whole with the request head, as a small body does: no loop.
-        whole = content.read_nowait()
-        if len(whole) > route.max_body:
-            raise _body_too_large(route)
-        return whole
-    body = bytearray()
-    async for chunk in content.iter_chunked(_CHUNK):
-        body += chunk
-        if len(body) > route.max_body:
-            raise _body_too_large(route)
-    return bytes(body)
-
-
-class _LimitedBody:
-    """The client's body as a stream that stops the upload above ``limit`` bytes,
-    so an over-long body never reaches the upstream as a complete request."""
-
-    __slots__ = ("_limit", "_request", "too_large")
-
-    def __init__(self, request: web.BaseRequest, limit: int) -> None:
-        self._request = request
-        self._limit = limit
-        self.too_large = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        seen = 0
-        async for chunk in self._request.content.iter_chunked(_CHUNK):
-            seen += len(chunk)
-            if seen > self._limit:
-                self.too_large = True
-                raise BodyTooLarge(f"the body is larger than {self._limit} bytes")
-            yield chunk
+        raise BodyTooLarge(
+            f"the body is larger than the limit of {route.max_body} bytes",
+            max_body=route.max_body,
+        )
 
 
 def _waited_too_long(write: FencedWrite, *, retry_after: float) -> JobQuarantined:

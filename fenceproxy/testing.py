@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -307,12 +308,15 @@ class ProxyProcess:
         log: str | os.PathLike[str] | None = None,
         command: Sequence[str] = (sys.executable, "-m", "fenceproxy"),
         cwd: str | os.PathLike[str] | None = None,
+        nofile: int | None = None,
     ) -> None:
         """``log`` keeps its output in that file (appended); by default a temporary one.
         ``command`` runs the proxy (``serve -c ...`` is appended): another build's, say.
-        ``cwd`` is its working directory (by default this process's)."""
+        ``cwd`` is its working directory (by default this process's); ``nofile`` its
+        descriptor limit, soft and hard."""
         self.port = port
         self._cwd = cwd
+        self._nofile = nofile
         self._env = None if env is None else {**os.environ, **env}
         self.url = f"http://127.0.0.1:{port}"
         self._argv = [
@@ -326,8 +330,16 @@ class ProxyProcess:
 
     async def start(self, within: float = 20.0) -> ProxyProcess:
         """Start it and wait until it accepts connections; RuntimeError if it exits."""
+        nofile = self._nofile
         self.process = await asyncio.create_subprocess_exec(
-            *self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env, cwd=self._cwd
+            *self._argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            cwd=self._cwd,
+            preexec_fn=None
+            if nofile is None
+            else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
         )
         async with asyncio.timeout(within):
             while True:

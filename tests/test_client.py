@@ -243,7 +243,7 @@ async def test_an_odd_renewal_answer_loses_the_lease_and_stops_the_body(
     """A 200 without 'ttl' raises KeyError inside the renewer task: no LeaseServiceError,
     no LeaseLost, the body is never cancelled, and the KeyError pops out of __aexit__."""
 
-    async def odd(self: LeaseService, request: web.Request) -> web.Response:
+    async def odd(self: LeaseService, request: web.Request, *_: object) -> web.Response:
         return web.json_response({"status": "ok"})  # e.g. a gateway's maintenance page
 
     monkeypatch.setattr(LeaseService, "renew", odd)

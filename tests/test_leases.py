@@ -490,9 +490,9 @@ async def test_job_longer_than_256_bytes_is_400(leases: Client) -> None:
     assert (await claimed(leases, "x" * 256, "a"))["job_id"] == "x" * 256
 
 
-async def test_body_larger_than_64_kib_is_400(leases: Client) -> None:
+async def test_body_larger_than_64_kib_is_413(leases: Client) -> None:
     body = {"owner": "a", "pad": "x" * (70 * 1024)}
-    await problem(await call(leases, "j", "claim", body), 400, "lease-request-malformed")
+    await problem(await call(leases, "j", "claim", body), 413, "body-too-large")
     await problem(await leases.get(f"{PREFIX}/j"), 404, "lease-not-found")
 
 

@@ -220,7 +220,7 @@ async def test_malformed_requests_are_logged_in_one_line_without_traceback(
     proxy.signal(signal.SIGTERM)
     assert await proxy.wait() == 0
     log = proxy.output()
-    assert "refused a malformed request (400)" in log
+    assert "refused a malformed request (400 request-malformed)" in log
     assert "Traceback" not in log
 
 

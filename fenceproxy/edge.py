@@ -1,0 +1,474 @@
+"""The HTTP edge: aiohttp's low-level server with the proxy's own limits at the door,
+and every answer it gives before a handler runs as an RFC 9457 problem.
+
+What a client may hold of the proxy (``limits:`` in the config, nginx's defaults):
+
+* **the request head** must arrive within ``header_timeout`` of its first byte (or of
+  the connection's opening): 408 and the connection is closed;
+* **a body** may pause at most ``body_timeout`` between two reads: 408;
+* **bodies held in memory** (a fenced write's, read whole before its turn; a lease
+  call's; a small unfenced one's) are counted across every request, and a body that
+  would take the total above ``max_buffered`` gets 503 with ``Retry-After``;
+* **open connections** are capped at ``max_connections``, lowered at start to fit
+  the descriptor limit (each may need an upstream connection too). A connection
+  beyond the cap closes the least recently active one that the proxy is not working
+  for (idle, or still sending its request), so a live client is still served while
+  stalled ones hold the cap; only when every connection is being worked for is the
+  newcomer refused with 503;
+* **an idle keep-alive connection** is closed after ``keepalive_timeout``.
+
+The HTTP layer's own refusals (framing, a line too long, too many headers, another
+HTTP version, the HTTP/2 preface) are answered as problems too, and logged in one
+line. A request that carries ``Upgrade`` is answered as plain HTTP/1.1, then the
+connection is closed: nothing sent behind it is read as a request.
+
+This module subclasses aiohttp's ``RequestHandler`` and reads some of its internal
+state (``_request_in_progress``, ``_current_request``, ``_messages``,
+``_request_count``), which is why aiohttp is pinned below its next minor version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
+from yarl import URL
+
+from .config import LimitsSpec
+from .errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    ClientClosedRequest,
+    HeaderTimeout,
+    InternalError,
+    ProxyBusy,
+    Refusal,
+    RequestHeadTooLarge,
+    RequestMalformed,
+    RequestTargetMalformed,
+    VersionNotSupported,
+)
+from .log import server_log
+
+__all__ = [
+    "PROBLEM_JSON",
+    "Bodies",
+    "ProxyServer",
+    "RefusedRequest",
+    "connection_cap",
+    "log_accept_errors",
+    "problem_response",
+]
+
+PROBLEM_JSON = "application/problem+json"
+_SPOKEN = (HttpVersion11, HttpVersion10)
+# Descriptors kept for the store, the logs, the listening sockets and the like.
+_SPARE_FDS = 64
+_LOG_EVERY = 10.0
+
+
+def problem_response(refusal: Refusal) -> web.Response:
+    response = web.json_response(
+        refusal.problem(),
+        status=refusal.status,
+        reason=_reason(refusal.status),
+        content_type=PROBLEM_JSON,
+    )
+    if refusal.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, round(refusal.retry_after + 0.499)))
+    if refusal.challenge is not None:
+        response.headers["WWW-Authenticate"] = refusal.challenge
+    return response
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Client Closed Request" if status == 499 else "Refused"
+
+
+def _raw_problem(refusal: Refusal) -> bytes:
+    """A whole answer that closes the connection, for when no request object exists."""
+    body = json.dumps(refusal.problem()).encode()
+    head = (
+        f"HTTP/1.1 {refusal.status} {_reason(refusal.status)}\r\n"
+        f"Content-Type: {PROBLEM_JSON}\r\nContent-Length: {len(body)}\r\n"
+        + (f"Retry-After: {max(1, round(refusal.retry_after))}\r\n" if refusal.retry_after else "")
+        + "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class _Every:
+    """A log line at most every ``_LOG_EVERY`` seconds, saying how many were held back."""
+
+    __slots__ = ("_held", "_next")
+
+    def __init__(self) -> None:
+        self._next = 0.0
+        self._held = 0
+
+    def __call__(self, level: int, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._held += 1
+            return
+        if self._held:
+            message += " (and %d more like it in the last %.0fs)"
+            args = (*args, self._held, _LOG_EVERY)
+        server_log.log(level, message, *args)
+        self._next, self._held = now + _LOG_EVERY, 0
+
+
+# -- bodies ---------------------------------------------------------------------
+
+
+class Bodies:
+    """Request bodies: read whole within the memory shared by every request, or
+    streamed, each bounded by its limit and by the wait between two reads."""
+
+    __slots__ = ("cap", "held", "timeout")
+
+    def __init__(self, cap: int, timeout: float) -> None:
+        self.cap = cap
+        self.held = 0
+        """Bytes of bodies read whole and not yet given back."""
+        self.timeout = timeout
+
+    async def read(self, request: web.BaseRequest, limit: int) -> bytes:
+        """The whole body, up to ``limit`` bytes (BodyTooLarge above). What it holds
+        counts against the cap until :meth:`release` (ProxyBusy beyond it)."""
+        content = request.content
+        if content.is_eof() and content.exception() is None:
+            # Arrived whole with the request head, as a small body does: no loop.
+            whole = content.read_nowait()
+            _check_size(len(whole), limit)
+            self._take(len(whole))
+            return whole
+        # Kept as the pieces that came, joined once whole: a buffer grown piece by
+        # piece would be copied as it grows and leave the allocator fragmented.
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in self._chunks(content):
+                _check_size(size + len(chunk), limit)
+                self._take(len(chunk))
+                pieces.append(chunk)
+                size += len(chunk)
+        except BaseException:
+            self.release(size)
+            raise
+        return b"".join(pieces)
+
+    def release(self, size: int) -> None:
+        """Give back what a body returned by :meth:`read` held."""
+        self.held -= size
+
+    async def stream(self, request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:
+        """The body as it arrives, stopped above ``limit`` bytes (BodyTooLarge), so an
+        over-long body never reaches the upstream as a complete request."""
+        seen = 0
+        async for chunk in self._chunks(request.content):
+            seen += len(chunk)
+            _check_size(seen, limit)
+            yield chunk
+
+    async def _chunks(self, content: StreamReader) -> AsyncIterator[bytes]:
+        """Each piece of the body as it arrives; BodyTimeout when none comes for
+        ``timeout``, ClientClosedRequest when the client goes away, RequestMalformed
+        when its framing breaks. None of them is an upstream's failure."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.timeout) as deadline:
+                while chunk := await content.readany():
+                    yield chunk
+                    deadline.reschedule(loop.time() + self.timeout)
+        except TimeoutError:
+            raise BodyTimeout(
+                f"no part of the body arrived for {self.timeout:g}s; nothing was forwarded complete"
+            ) from None
+        except ConnectionError:
+            raise ClientClosedRequest("the client closed the connection mid-body") from None
+        except HttpProcessingError as exc:
+            raise RequestMalformed(f"the body's framing is broken: {_first(exc)}") from None
+
+    def _take(self, size: int) -> None:
+        if self.held + size > self.cap:
+            raise ProxyBusy(
+                f"the proxy holds as many request bodies in memory as it may ({self.cap} "
+                "bytes, limits.max_buffered); retry",
+                retry_after=1.0,
+            )
+        self.held += size
+
+
+def _check_size(size: int, limit: int) -> None:
+    if size > limit:
+        raise BodyTooLarge(f"the body is larger than the limit of {limit} bytes", max_body=limit)
+
+
+def _first(exc: HttpProcessingError) -> str:
+    """The parser's reason, without the bytes it quotes after a colon."""
+    text = str(exc.message).splitlines()[0] if exc.message else type(exc).__name__
+    return text.split(":")[0].strip()[:120]
+
+
+# -- the server -------------------------------------------------------------------
+
+
+class RefusedRequest(web.BaseRequest):
+    """A request refused as it came in, before any handler looks at it: its line names
+    another HTTP than 1.0 or 1.1 (``HTTP/2.0``, ``HTTP/0.9``, none at all), or its
+    target cannot even be made into a request (an invalid IDNA host). It is answered
+    with ``refusal``, as HTTP/1.1, and the connection is closed."""
+
+    refusal: Refusal
+
+
+def connection_cap(configured: int) -> int:
+    """``configured``, lowered to what the descriptor limit leaves: each client
+    connection may hold an upstream connection too."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return max(1, min(configured, (soft - _SPARE_FDS) // 2))
+
+
+class ProxyServer(web.Server):
+    """aiohttp's low-level server, with :class:`ClientConnection` for each client and
+    the cap on open connections."""
+
+    def __init__(
+        self,
+        handler: Any,
+        limits: LimitsSpec,
+        *,
+        max_connections: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, keepalive_timeout=limits.keepalive_timeout, **kwargs)
+        self.limits = limits
+        self.max_connections = max_connections or connection_cap(limits.max_connections)
+        # Every open connection, least recently active first.
+        self._open: OrderedDict[ClientConnection, None] = OrderedDict()
+        self.log = _Every()
+        """Rate-limited lines about the door."""
+
+    def __call__(self) -> ClientConnection:
+        return ClientConnection(self, loop=self._loop, **self._kwargs)
+
+    def _make_request(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        refusal: Refusal
+        if message.version not in _SPOKEN:
+            sent = f"{message.version.major}.{message.version.minor}"
+            refusal = VersionNotSupported(
+                f"this proxy speaks HTTP/1.1 and HTTP/1.0, not HTTP/{sent}"
+            )
+        else:
+            if message.upgrade:
+                # Upgrade is not spoken: answered as HTTP/1.1 and closed after, so bytes
+                # sent behind it (another protocol's) are never read as a request.
+                message = message._replace(should_close=True)
+            try:
+                return web.BaseRequest(message, payload, protocol, writer, task, self._loop)
+            except ValueError:  # UnicodeError included: yarl could not read the host
+                refusal = RequestTargetMalformed("the request target's host is not a valid name")
+        message = message._replace(
+            version=HttpVersion11, should_close=True, path="/", url=URL("/"), upgrade=False
+        )
+        request = RefusedRequest(message, payload, protocol, writer, task, self._loop)
+        request.refusal = refusal
+        return request
+
+    def opened(self, conn: ClientConnection) -> bool:
+        """Count a new connection in; False when it must be refused."""
+        self._open[conn] = None
+        if len(self._open) <= self.max_connections:
+            return True
+        victim = next(c for c in self._open if c is conn or not c.busy())
+        if victim is conn:
+            del self._open[conn]
+            self.log(
+                logging.WARNING,
+                "refused a connection: all %d connections are being worked for "
+                "(limits.max_connections)",
+                self.max_connections,
+            )
+            return False
+        self.log(
+            logging.WARNING,
+            "at %d connections (limits.max_connections): closed the least recently "
+            "active one not being worked for",
+            self.max_connections,
+        )
+        victim.force_close()
+        self._open.pop(victim, None)
+        return True
+
+    def touched(self, conn: ClientConnection) -> None:
+        if conn in self._open:
+            self._open.move_to_end(conn)
+
+    def closed(self, conn: ClientConnection) -> None:
+        self._open.pop(conn, None)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+
+class ClientConnection(RequestHandler):
+    """One client connection: aiohttp's, plus the head timeout, the cap's bookkeeping
+    and problem answers for what the parser refuses."""
+
+    __slots__ = ("_head_deadline", "_head_requests", "_server")
+
+    def __init__(self, manager: ProxyServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._server = manager
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_requests = 0
+
+    def busy(self) -> bool:
+        """Whether the proxy is working for this client: its request is in whole and
+        being handled (not idle, not still sending)."""
+        request = self._current_request
+        return self._request_in_progress and request is not None and request.content.is_eof()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if not self._server.opened(self):
+            transport.write(  # type: ignore[attr-defined]
+                _raw_problem(
+                    ProxyBusy(
+                        f"the proxy has {self._server.max_connections} connections open, all "
+                        "being worked for (limits.max_connections); retry",
+                        retry_after=1.0,
+                    )
+                )
+            )
+            self.force_close()
+            return
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._server.closed(self)
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._server.touched(self)
+        if (
+            self._head_deadline is None
+            and not self._request_in_progress
+            and not self._messages
+            and not self._force_close
+        ):
+            self._arm_head_deadline()  # the first bytes of the next request
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count:
+            self._disarm_head_deadline()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to what its parser refused, or to a handler that raised:
+        a problem, and the connection closed. A parser refusal is logged in one line;
+        anything else is a bug, logged with its traceback."""
+        refusal: Refusal
+        if isinstance(exc, LineTooLong) or (
+            isinstance(exc, HttpProcessingError) and "Too many headers" in str(exc.message)
+        ):
+            refusal = RequestHeadTooLarge(
+                f"the request line or a header is longer than {self.max_line_size} bytes, "
+                f"or there are more than {self.max_headers} headers"
+            )
+        elif isinstance(exc, HttpProcessingError) and "PRI" in str(exc.message):
+            refusal = VersionNotSupported("this proxy speaks HTTP/1.1, not HTTP/2")
+        elif isinstance(exc, HttpProcessingError):
+            refusal = RequestMalformed(f"the request is not valid HTTP/1.1: {_first(exc)}")
+        elif status == 504:
+            refusal = InternalError("the request's handling timed out")
+        else:
+            self.log_exception("Error handling request", exc_info=exc)
+            refusal = InternalError("the proxy failed on this request; nothing was forwarded")
+        if isinstance(exc, HttpProcessingError):
+            self._server.log(
+                logging.INFO,
+                "refused a malformed request (%d %s): %s",
+                refusal.status,
+                refusal.slug,
+                refusal.detail,
+            )
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was partly sent; the connection is closed")
+        response = problem_response(refusal)
+        response.force_close()
+        return response
+
+    def _arm_head_deadline(self) -> None:
+        self._head_requests = self._request_count
+        self._head_deadline = self._loop.call_later(
+            self._server.limits.header_timeout, self._head_too_slow
+        )
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self._request_count != self._head_requests or self._request_in_progress:
+            return  # a request came in whole meanwhile
+        if self.transport is not None and not self._force_close:
+            timeout = self._server.limits.header_timeout
+            self.transport.write(
+                _raw_problem(HeaderTimeout(f"the request head did not arrive within {timeout:g}s"))
+            )
+            self._server.log(
+                logging.INFO, "closed a connection: no request head within %gs", timeout
+            )
+        self.force_close()
+
+
+def log_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Log the loop's failures to accept a connection (out of descriptors, say) in one
+    line at most every ten seconds, rather than a traceback each; the rest as before."""
+    every = _Every()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if "accept" in message:
+            every(logging.ERROR, "could not accept a connection: %s", context.get("exception"))
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)

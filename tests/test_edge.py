@@ -1,0 +1,413 @@
+"""Hostile input at the door, with raw sockets against a real proxy and an upstream
+that records what it receives: versions the proxy does not speak, bytes behind an
+Upgrade, the parser's own refusals as problems, slow heads and bodies, clients that
+leave mid-body, bodies held open to exhaust memory, and connection floods (in a real
+process, with its descriptor limit lowered). Each gets its 4xx, 503 or closed
+connection, and nothing of it reaches the upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp.test_utils import TestClient
+
+from fenceproxy.edge import log_accept_errors
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
+
+from .conftest import ProxyFactory, fenced, raw_request
+
+Client = TestClient[Any, Any]
+
+FENCE = b"Fencing-Job: j\r\nFencing-Token: 1\r\n"
+
+
+def answer_of(raw: bytes) -> tuple[int, dict[str, Any] | None]:
+    """The status of a raw answer, and its problem body if it has one."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    problem = json.loads(body) if b"application/problem+json" in head else None
+    return status, problem
+
+
+def kind(problem: dict[str, Any] | None) -> str:
+    assert problem is not None
+    return str(problem["type"]).rsplit(":", 1)[1]
+
+
+async def open_raw(port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    return reader, writer
+
+
+# -- what the proxy does not speak ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"POST /billing/x HTTP/2.0", b"POST /billing/x HTTP/0.9", b"GET /billing/x HTTP/2.0"],
+)
+async def test_another_http_version_is_505_and_reaches_nothing(
+    proxy: Client, upstream: RecordingUpstream, line: bytes
+) -> None:
+    raw = await raw_request(
+        proxy.port, line + b"\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+    )
+    assert raw.startswith(b"HTTP/1.1 505 "), raw  # answered in HTTP/1.1, whatever was sent
+    assert kind(answer_of(raw)[1]) == "http-version-not-supported"
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"GET /billing/x\r\n\r\n", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"],
+    ids=["http-0.9-simple-request", "http2-preface"],
+)
+async def test_http_09_and_the_http2_preface_are_505(
+    proxy: Client, upstream: RecordingUpstream, data: bytes
+) -> None:
+    status, problem = answer_of(await raw_request(proxy.port, data))
+    assert (status, kind(problem)) == (505, "http-version-not-supported")
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    "upgrade",
+    [b"Connection: Upgrade\r\nUpgrade: websocket\r\n",
+     b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABk\r\n"],
+    ids=["websocket", "h2c"],
+)  # fmt: skip
+async def test_bytes_behind_an_upgrade_request_are_never_read_as_a_request(
+    proxy: Client, upstream: RecordingUpstream, upgrade: bytes
+) -> None:
+    """The Upgrade is ignored (RFC 9110 §7.8 lets a server), the request answered as
+    HTTP/1.1, and the connection closed: nothing hangs, and the bytes sent behind it,
+    a request included, reach no upstream."""
+    behind = b"POST /billing/y HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+    data = (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + upgrade
+        + b"Content-Length: 2\r\n\r\n{}" + behind
+    )  # fmt: skip
+    async with asyncio.timeout(10):
+        raw = await raw_request(proxy.port, data)
+    assert raw.startswith(b"HTTP/1.1 200 "), raw
+    assert raw.count(b"HTTP/1.1 ") == 1
+    assert b"\r\nConnection: close\r\n" in raw
+    assert [r.path_qs for r in upstream.received] == ["/billing/x"]
+    assert "Upgrade" not in upstream.received[0].headers
+
+
+async def test_a_target_whose_host_is_not_a_name_is_400_not_a_hang(
+    proxy: Client, upstream: RecordingUpstream
+) -> None:
+    async with asyncio.timeout(10):
+        raw = await raw_request(
+            proxy.port, b"POST http://xn--/billing/x HTTP/1.1\r\nHost: a\r\n\r\n"
+        )
+    status, problem = answer_of(raw)
+    assert (status, kind(problem)) == (400, "request-target-malformed")
+    assert upstream.received == []
+
+
+# -- the parser's refusals ------------------------------------------------------------
+
+PARSER_CASES = {
+    "more than 100 headers": (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+        + b"".join(b"X-H%d: v\r\n" % i for i in range(101)) + b"Content-Length: 2\r\n\r\n{}",
+        431, "request-head-too-large"),
+    "a header over 8190 bytes": (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+        + b"X-Big: " + b"s" * 9000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+        431, "request-head-too-large"),
+    "a request line over 8190 bytes": (
+        b"GET /billing/" + b"s" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",
+        431, "request-head-too-large"),
+    "a bare LF": (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+        + b"X-A: 1\nX-B: 2\r\nContent-Length: 2\r\n\r\n{}", 400, "request-malformed"),
+    "content-length and transfer-encoding": (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+        + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        400, "request-malformed"),
+    "a NUL in a header name": (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"X-\x00s: 1\r\n\r\n",
+        400, "request-malformed"),
+    "broken chunked framing": (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+        + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nss\r\n0\r\n\r\n", 400, "request-malformed"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("data", "status", "slug"), PARSER_CASES.values(), ids=PARSER_CASES)
+async def test_what_the_parser_refuses_is_answered_as_a_problem_without_echo(
+    proxy: Client, upstream: RecordingUpstream, data: bytes, status: int, slug: str
+) -> None:
+    raw = await raw_request(proxy.port, data)
+    got, problem = answer_of(raw)
+    assert (got, kind(problem)) == (status, slug), raw
+    assert b"sss" not in raw  # what the client sent is never quoted back
+    assert upstream.received == []
+    assert (await fenced(proxy, "j", 1)).status == 200  # and the proxy goes on
+
+
+# -- slow heads and bodies ------------------------------------------------------------
+
+LIMITS = {"header_timeout": "300ms", "body_timeout": "300ms", "keepalive_timeout": "5s"}
+
+
+@pytest.fixture
+async def strict(start_proxy: ProxyFactory, upstream: RecordingUpstream) -> Client:
+    routes = [
+        {"name": "billing", "path": "/billing/", "upstream": upstream.url},
+        {"name": "files", "path": "/files/", "upstream": upstream.url, "fence": False},
+    ]
+    return await start_proxy(routes, limits=LIMITS)
+
+
+@pytest.mark.parametrize(
+    "sent", [b"", b"POST /billing/x HTTP/1.1\r\nHost: a\r\n"], ids=["nothing", "half-a-head"]
+)
+async def test_a_head_that_does_not_arrive_in_time_is_408_and_closed(
+    strict: Client, upstream: RecordingUpstream, sent: bytes
+) -> None:
+    reader, writer = await open_raw(strict.port, sent)
+    async with asyncio.timeout(10):
+        raw = await reader.read()  # the proxy closes it
+    writer.close()
+    status, problem = answer_of(raw)
+    assert (status, kind(problem)) == (408, "header-timeout")
+    assert upstream.received == []
+
+
+async def test_an_idle_keep_alive_connection_is_not_cut_by_the_head_timeout(
+    strict: Client, upstream: RecordingUpstream
+) -> None:
+    request = b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+    reader, writer = await open_raw(strict.port, request)
+    first = await reader.readuntil(b'"/billing/x"}')
+    assert first.startswith(b"HTTP/1.1 200 ")
+    await asyncio.sleep(0.6)  # idle for twice the head timeout, within keep-alive
+    writer.write(request)
+    second = await reader.readuntil(b'"/billing/x"}')
+    assert second.startswith(b"HTTP/1.1 200 ")
+    writer.close()
+    assert len(upstream.received) == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "length", "sent"),
+    [("/billing/x", 100, 10), ("/files/big", 1024 * 1024, 200 * 1024)],
+    ids=["fenced-buffered", "unfenced-streamed"],
+)
+async def test_a_body_that_stops_arriving_is_408_and_never_reaches_the_upstream_whole(
+    strict: Client, upstream: RecordingUpstream, path: str, length: int, sent: int
+) -> None:
+    head = f"POST {path} HTTP/1.1\r\nHost: a\r\nContent-Length: {length}\r\n".encode()
+    reader, writer = await open_raw(strict.port, head + FENCE + b"\r\n" + b"x" * sent)
+    async with asyncio.timeout(20):
+        raw = await reader.read()
+    writer.close()
+    status, problem = answer_of(raw)
+    assert (status, kind(problem)) == (408, "body-timeout")
+    assert upstream.received == []  # a cut body is never a complete request upstream
+
+
+async def test_bodies_held_in_memory_are_capped_across_requests(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(limits={"max_buffered": "1MiB", "body_timeout": "30s"})
+    bodies = proxy.server.proxy.bodies  # type: ignore[union-attr]
+    part = 300 * 1024
+    head = b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 400000\r\n\r\n"
+    held = [await open_raw(proxy.port, head + b"x" * part) for _ in range(3)]
+    await eventually(lambda: bodies.held == 3 * part)
+    # A fourth body would take the total above the cap: refused, and it holds nothing.
+    reader, writer = await open_raw(proxy.port, head + b"x" * part)
+    async with asyncio.timeout(20):
+        raw = await reader.read()
+    writer.close()
+    status, problem = answer_of(raw)
+    assert (status, kind(problem)) == (503, "proxy-busy")
+    assert b"\r\nRetry-After: 1\r\n" in raw
+    # A small write still fits, and is forwarded.
+    assert (await fenced(proxy, "j", 1)).status == 200
+    # The stalled clients leave: what they held is given back.
+    for _, w in held:
+        w.close()
+    await eventually(lambda: bodies.held == 0)
+    assert [r.body for r in upstream.received] == [b"{}"]
+
+
+# -- clients that leave, floods ---------------------------------------------------------
+
+
+def write_config(tmp_path: Path, upstream: RecordingUpstream, **limits: Any) -> Path:
+    path = tmp_path / "proxy.yaml"
+    config = {
+        "store": f"sqlite:///{tmp_path / 'fences.db'}",
+        "routes": [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
+        "limits": limits,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def test_a_client_that_leaves_mid_body_is_one_log_line(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    proxy = ProxyProcess(write_config(tmp_path, upstream), free_port(), "--access-log")
+    try:
+        await proxy.start()
+        head = b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 100\r\n\r\n"
+        _, writer = await open_raw(proxy.port, head + b"abc")
+        writer.close()
+        await eventually(lambda: "client-closed-request" in proxy.output())
+        await eventually(lambda: '" 499 ' in proxy.output())
+        log = proxy.output()
+    finally:
+        await proxy.stop()
+    assert "Traceback" not in log
+    assert " 500 " not in log
+    assert log.count("client-closed-request") == 1
+    assert upstream.received == []
+
+
+def rss_of(pid: int) -> tuple[int, int]:
+    """VmRSS and VmHWM of a process, in KiB."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+async def test_uploads_held_open_one_byte_short_keep_memory_bounded(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """150 fenced uploads declaring 4 MiB each stop one byte short (600 MiB in all):
+    the proxy holds at most its 16 MiB cap of them, refuses the rest with 503, and
+    the body timeout cuts those it holds. Its memory grows by the cap plus what each
+    connection buffers while it streams (measured: about 0.8 MiB at full speed), and
+    goes back down once they are gone."""
+    config = write_config(tmp_path, upstream, max_buffered="16MiB", body_timeout="2s")
+    proxy = ProxyProcess(config, free_port())
+    size = 4 * 1024 * 1024
+    try:
+        await proxy.start()
+        assert proxy.process is not None
+        before, _ = rss_of(proxy.process.pid)
+        head = (
+            b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+            + f"Content-Length: {size}\r\n\r\n".encode()
+        )  # fmt: skip
+
+        async def upload() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            try:
+                writer.write(head)
+                chunk = b"x" * (256 * 1024)
+                sent = 0
+                while sent < size - 1:
+                    part = chunk[: size - 1 - sent]
+                    writer.write(part)
+                    sent += len(part)
+                    await writer.drain()
+                return await reader.read()
+            except ConnectionError:
+                return b"closed"
+            finally:
+                writer.close()
+
+        async with asyncio.timeout(120):
+            answers = await asyncio.gather(*(upload() for _ in range(150)))
+        after, peak = rss_of(proxy.process.pid)
+    finally:
+        await proxy.stop()
+    statuses = [answer_of(a)[0] if a.startswith(b"HTTP/") else 0 for a in answers]
+    assert set(statuses) <= {408, 503, 0}, statuses
+    assert statuses.count(408) >= 1, statuses  # held, then cut by the body timeout
+    assert statuses.count(503) >= 1, statuses  # beyond the cap
+    # KiB: the cap, plus what each connection buffers while it streams.
+    assert peak - before < 16 * 1024 + 150 * 1024, (before, peak)
+    assert after - before < 16 * 1024, (before, after)  # and given back once they are gone
+    assert upstream.received == []
+
+
+async def test_a_flood_of_stalled_connections_still_lets_a_client_through(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """With its descriptor limit at 256, the proxy caps itself at 96 connections. 400
+    connections that stall mid-head take them all; a client that comes after is still
+    served (the least recently active stalled ones are closed for it), and the log
+    says so in a few lines, without a traceback."""
+    proxy = ProxyProcess(write_config(tmp_path, upstream), free_port(), nofile=256)
+    stalled: list[asyncio.StreamWriter] = []
+    try:
+        await proxy.start()
+        assert "lowered from 10000 to 96" in proxy.output()
+        for _ in range(400):
+            try:
+                _, writer = await open_raw(proxy.port, b"POST /billing/x HTTP/1.1\r\nHost: a\r\n")
+            except OSError:
+                continue  # the proxy closed it before it was even written to
+            stalled.append(writer)
+        async with aiohttp.ClientSession() as session:
+            for n in range(5):
+                async with session.post(
+                    f"{proxy.url}/billing/x",
+                    json={"n": n},
+                    headers={"Fencing-Job": "j", "Fencing-Token": "1"},
+                ) as response:
+                    assert response.status == 200
+        log = proxy.output()
+    finally:
+        for writer in stalled:
+            writer.close()
+        await proxy.stop()
+    assert "Traceback" not in log
+    assert log.count("limits.max_connections") <= 3, log
+    assert len(upstream.received) == 5
+
+
+async def test_a_connection_beyond_a_cap_of_busy_ones_is_refused_with_503(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(limits={"max_connections": 2})
+    release = upstream.hold()
+    busy = [asyncio.ensure_future(fenced(proxy, f"job-{n}", 1)) for n in range(2)]
+    await upstream.wait_for(2)  # both are at the upstream: the proxy works for them
+    status, problem = answer_of(await raw_request(proxy.port, b"GET /billing/x HTTP/1.1\r\n\r\n"))
+    assert (status, kind(problem)) == (503, "proxy-busy")
+    release()
+    assert [r.status for r in await asyncio.gather(*busy)] == [200, 200]
+
+
+def test_accept_errors_are_logged_once_in_a_while_not_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        log_accept_errors(loop)
+        with caplog.at_level(logging.ERROR, logger="fenceproxy.server"):
+            for _ in range(10_000):
+                loop.call_exception_handler(
+                    {
+                        "message": "socket.accept() out of system resource",
+                        "exception": OSError(24, os.strerror(24)),
+                    }
+                )
+    finally:
+        loop.close()
+    lines = [r for r in caplog.records if r.name == "fenceproxy.server"]
+    assert len(lines) == 1
+    assert "Too many open files" in lines[0].getMessage()
+    assert lines[0].exc_info is None
