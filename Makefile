@@ -4,7 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test servers lint typecheck pytest chaos bench audit clean
+.PHONY: demo test servers lint typecheck pytest chaos bench audit lock clean
+
+# Every dependency, tools included, at the versions and hashes CI tested:
+# requirements/dev.lock (and requirements/server.lock, what `serve` needs, for a
+# deployment). `make lock` regenerates both from pyproject.toml.
+LOCK    := requirements/dev.lock
+COMPILE := $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links
 
 # The long fault-injection run: make chaos DURATION=600 WORKERS=8 JOBS=3 SEED=1
 DURATION ?= 300
@@ -17,10 +24,10 @@ PROXIES  ?= 1
 CHAOS    = $(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) \
 	--seed $(SEED) --proxies $(PROXIES) $(if $(STORE),--store '$(STORE)')
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,dev,fast]'
+	$(BIN)/pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 ## The worked example on loopback with the embedded SQLite store.
@@ -71,10 +78,18 @@ BENCH_ARGS ?=
 bench: $(STAMP) servers
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
-## Known vulnerabilities in the installed dependencies fail the build. Needs PyPI's
-## JSON API; --strict fails rather than passing when a dependency cannot be audited.
+## Known vulnerabilities in the locked dependencies fail the build. Needs an advisory
+## database (PyPI's JSON API or OSV); --strict fails rather than passing when a
+## dependency cannot be audited.
 audit: $(STAMP)
-	$(BIN)/pip-audit --strict --skip-editable --progress-spinner off
+	$(BIN)/pip-audit --strict --require-hashes --disable-pip --progress-spinner off \
+	  -r requirements/server.lock -r $(LOCK)
+
+## Regenerate the lock files from pyproject.toml (and requirements/build.in).
+lock: $(STAMP)
+	$(BIN)/pip install --quiet 'pip-tools>=7.4'
+	$(COMPILE) --extra test --extra dev --extra fast -o $(LOCK) pyproject.toml requirements/build.in
+	$(COMPILE) --extra fast -c $(LOCK) -o requirements/server.lock pyproject.toml requirements/build.in
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,68 @@
+"""The lock files install what pyproject.toml asks for: every requirement pinned at a
+version its bounds allow, every pin with its hashes, and the server's lock at the
+same versions as the one CI installs. A dependency changed in pyproject.toml without
+``make lock`` fails here."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+_PIN = re.compile(r"^([A-Za-z0-9._-]+)==(\S+)((?:\s*\\\n\s+--hash=sha256:[0-9a-f]{64})+)", re.M)
+
+
+def pins(lock: str) -> dict[str, tuple[Version, int]]:
+    """Each package a lock pins: its version and how many hashes it lists."""
+    text = (ROOT / "requirements" / lock).read_text()
+    found = {
+        canonicalize_name(name): (Version(version), hashes.count("--hash="))
+        for name, version, hashes in _PIN.findall(text)
+    }
+    # Nothing in it is pinned without hashes (pip would refuse the file anyway).
+    assert len(found) == len(re.findall(r"^[A-Za-z0-9._-]+==", text, re.M))
+    return found
+
+
+def requirements(*extras: str) -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = list(project["dependencies"])
+    for extra in extras:
+        listed += project["optional-dependencies"][extra]
+    return [Requirement(r) for r in listed]
+
+
+@pytest.mark.parametrize(
+    ("lock", "extras"),
+    [("dev.lock", ("test", "dev", "fast")), ("server.lock", ("fast",))],
+)
+def test_every_requirement_is_pinned_within_its_bounds_with_hashes(
+    lock: str, extras: tuple[str, ...]
+) -> None:
+    locked = pins(lock)
+    for requirement in requirements(*extras):
+        name = canonicalize_name(requirement.name)
+        assert name in locked, f"{requirement} is not in requirements/{lock}: run make lock"
+        version, hashes = locked[name]
+        assert requirement.specifier.contains(version, prereleases=True), (
+            f"requirements/{lock} pins {name}=={version}, outside {requirement}: run make lock"
+        )
+        assert hashes >= 1
+
+
+def test_the_server_lock_is_the_tested_versions() -> None:
+    tested = pins("dev.lock")
+    for name, (version, _) in pins("server.lock").items():
+        assert tested[name][0] == version, name
+
+
+def test_aiohttp_is_at_least_the_release_that_fixed_the_response_parser() -> None:
+    (aiohttp,) = [r for r in requirements() if r.name == "aiohttp"]
+    assert not aiohttp.specifier.contains("3.14.2")
+    assert pins("server.lock")["aiohttp"][0] >= Version("3.14.3")
