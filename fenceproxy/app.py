@@ -117,6 +117,7 @@ class FenceProxy:
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
             bodies=self._bodies,
+            send_timeout=config.limits.send_timeout,
             keys=self._keys,
         )
         return self

@@ -399,6 +399,9 @@ class LimitsSpec(_Model):
     the connection's opening): 408 and the connection closed otherwise."""
     body_timeout: Duration = 60.0
     """The longest wait between two reads of a request body: 408 otherwise."""
+    send_timeout: Duration = 60.0
+    """The longest wait for a client to take the next part of a streamed answer: the
+    connection is closed otherwise."""
     keepalive_timeout: Duration = 75.0
     """An idle keep-alive connection is closed after this."""
     max_connections: int = Field(default=10_000, ge=1)

@@ -67,6 +67,7 @@ from .log import server_log
 __all__ = [
     "PROBLEM_JSON",
     "Bodies",
+    "HeldBody",
     "ProxyServer",
     "RefusedRequest",
     "connection_cap",
@@ -150,16 +151,16 @@ class Bodies:
         """Bytes of bodies read whole and not yet given back."""
         self.timeout = timeout
 
-    async def read(self, request: web.BaseRequest, limit: int) -> bytes:
+    async def read(self, request: web.BaseRequest, limit: int) -> HeldBody:
         """The whole body, up to ``limit`` bytes (BodyTooLarge above). What it holds
-        counts against the cap until :meth:`release` (ProxyBusy beyond it)."""
+        counts against the cap until it is released (ProxyBusy beyond the cap)."""
         content = request.content
         if content.is_eof() and content.exception() is None:
             # Arrived whole with the request head, as a small body does: no loop.
             whole = content.read_nowait()
             _check_size(len(whole), limit)
             self._take(len(whole))
-            return whole
+            return HeldBody(whole, self)
         # Kept as the pieces that came, joined once whole: a buffer grown piece by
         # piece would be copied as it grows and leave the allocator fragmented.
         pieces: list[bytes] = []
@@ -171,13 +172,9 @@ class Bodies:
                 pieces.append(chunk)
                 size += len(chunk)
         except BaseException:
-            self.release(size)
+            self.held -= size
             raise
-        return b"".join(pieces)
-
-    def release(self, size: int) -> None:
-        """Give back what a body returned by :meth:`read` held."""
-        self.held -= size
+        return HeldBody(b"".join(pieces), self)
 
     async def stream(self, request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:
         """The body as it arrives, stopped above ``limit`` bytes (BodyTooLarge), so an
@@ -190,22 +187,28 @@ class Bodies:
 
     async def _chunks(self, content: StreamReader) -> AsyncIterator[bytes]:
         """Each piece of the body as it arrives; BodyTimeout when none comes for
-        ``timeout``, ClientClosedRequest when the client goes away, RequestMalformed
-        when its framing breaks. None of them is an upstream's failure."""
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.timeout) as deadline:
-                while chunk := await content.readany():
-                    yield chunk
-                    deadline.reschedule(loop.time() + self.timeout)
-        except TimeoutError:
-            raise BodyTimeout(
-                f"no part of the body arrived for {self.timeout:g}s; nothing was forwarded complete"
-            ) from None
-        except ConnectionError:
-            raise ClientClosedRequest("the client closed the connection mid-body") from None
-        except HttpProcessingError as exc:
-            raise RequestMalformed(f"the body's framing is broken: {_first(exc)}") from None
+        ``timeout`` (only the wait for the client counts, never the time the caller
+        takes between pieces), ClientClosedRequest when the client goes away or its
+        connection fails, RequestMalformed when its framing breaks. None of them is
+        an upstream's failure."""
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout) as deadline:
+                    chunk = await content.readany()
+            except TimeoutError:
+                if not deadline.expired():
+                    raise ClientClosedRequest("the client's connection timed out") from None
+                raise BodyTimeout(
+                    f"no part of the body arrived for {self.timeout:g}s; nothing was "
+                    "forwarded complete"
+                ) from None
+            except OSError:  # reset, unreachable, ...: the transport says the peer is gone
+                raise ClientClosedRequest("the client's connection closed mid-body") from None
+            except HttpProcessingError as exc:
+                raise RequestMalformed(f"the body's framing is broken: {_first(exc)}") from None
+            if not chunk:
+                return
+            yield chunk
 
     def _take(self, size: int) -> None:
         if self.held + size > self.cap:
@@ -215,6 +218,23 @@ class Bodies:
                 retry_after=1.0,
             )
         self.held += size
+
+
+class HeldBody:
+    """A body read whole, and its share of the budget until :meth:`release`: as soon
+    as the upstream has it, or when the request ends, whichever comes first."""
+
+    __slots__ = ("_bodies", "data")
+
+    def __init__(self, data: bytes, bodies: Bodies) -> None:
+        self.data = data
+        self._bodies: Bodies | None = bodies
+
+    def release(self) -> None:
+        """Give its share back; again, nothing more."""
+        if self._bodies is not None:
+            self._bodies.held -= len(self.data)
+            self._bodies = None
 
 
 def _check_size(size: int, limit: int) -> None:
@@ -280,6 +300,8 @@ class ProxyServer(web.Server):
         writer: AbstractStreamWriter,
         task: asyncio.Task[None],
     ) -> web.BaseRequest:
+        assert isinstance(protocol, ClientConnection)
+        protocol.body = payload
         refusal: Refusal
         if message.version not in _SPOKEN:
             sent = f"{message.version.major}.{message.version.minor}"
@@ -343,13 +365,16 @@ class ClientConnection(RequestHandler):
     """One client connection: aiohttp's, plus the head timeout, the cap's bookkeeping
     and problem answers for what the parser refuses."""
 
-    __slots__ = ("_head_deadline", "_head_requests", "_server")
+    __slots__ = ("_head_deadline", "_head_requests", "_server", "body")
 
     def __init__(self, manager: ProxyServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._server = manager
         self._head_deadline: asyncio.TimerHandle | None = None
         self._head_requests = 0
+        self.body: StreamReader | None = None
+        """The body of the last request: bytes that come while it is still read (or
+        drained after its answer) are not the head of a next request."""
 
     def busy(self) -> bool:
         """Whether the proxy is working for this client: its request is in whole and
@@ -381,10 +406,12 @@ class ClientConnection(RequestHandler):
     def data_received(self, data: bytes) -> None:
         self._server.touched(self)
         if (
-            self._head_deadline is None
+            data  # aiohttp calls this with nothing, to parse what it held back
+            and self._head_deadline is None
             and not self._request_in_progress
             and not self._messages
             and not self._force_close
+            and (self.body is None or self.body.is_eof())
         ):
             self._arm_head_deadline()  # the first bytes of the next request
         count = self._request_count

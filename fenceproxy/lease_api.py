@@ -191,13 +191,13 @@ class LeaseService:
         return result, now
 
     async def _parse(self, request: web.BaseRequest, schema: type[_Body]) -> Any:
-        raw = await self._bodies.read(request, _MAX_BODY)
+        held = await self._bodies.read(request, _MAX_BODY)
         try:
-            data = json.loads(raw)
+            data = json.loads(held.data)
         except (ValueError, RecursionError):
             raise LeaseRequestMalformed("the body must be a JSON object") from None
         finally:
-            self._bodies.release(len(raw))
+            held.release()
         if not isinstance(data, dict):
             raise _invalid("(body)", "expected a JSON object")
         try:

@@ -43,7 +43,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from . import hdrs
-from .edge import Bodies
+from .edge import Bodies, HeldBody
 from .errors import (
     BodyTooLarge,
     FencingHeaderMalformed,
@@ -114,10 +114,14 @@ class Proxy:
         trusted: TrustedProxies,
         max_stored_response: int,
         bodies: Bodies,
+        send_timeout: float,
         keys: SigningKeys | None = None,
     ) -> None:
+        """``send_timeout`` bounds each wait for a client to take the next part of a
+        streamed answer."""
         self._router = router
         self._bodies = bodies
+        self._send_timeout = send_timeout
         self._store = store
         self._upstreams = upstreams
         self._trusted = trusted
@@ -176,11 +180,11 @@ class Proxy:
         _check_length(request, route)
         length = request.content_length
         if length is not None and length <= _BUFFERED:
-            body = await self._bodies.read(request, route.max_body)  # one write upstream
+            held = await self._bodies.read(request, route.max_body)  # one write upstream
             try:
-                return await self._send(request, route, target, length, body)
+                return await self._send(request, route, target, length, held)
             finally:
-                self._bodies.release(len(body))
+                held.release()
         stream = self._bodies.stream(request, route.max_body) if request.body_exists else None
         return await self._send(request, route, target, length, stream)
 
@@ -190,12 +194,16 @@ class Proxy:
         route: Route,
         target: str,
         length: int | None,
-        body: bytes | AsyncIterator[bytes] | None,
+        body: HeldBody | AsyncIterator[bytes] | None,
     ) -> web.StreamResponse:
         headers = forwarded_headers(request, self._trusted, length)
-        upstream = await self._upstreams.send(route, request.method, target, headers, body)
+        if isinstance(body, HeldBody):
+            upstream = await self._upstreams.send(route, request.method, target, headers, body.data)
+            body.release()  # the upstream has it
+        else:
+            upstream = await self._upstreams.send(route, request.method, target, headers, body)
         try:
-            return await _relay(request, upstream)
+            return await _relay(request, upstream, self._send_timeout)
         finally:
             upstream.release()
 
@@ -243,9 +251,9 @@ class Proxy:
         key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
-        body = await self._bodies.read(request, route.max_body)
+        held = await self._bodies.read(request, route.max_body)
         try:
-            fp = None if key is None else fingerprint(request.method, target, body, override)
+            fp = None if key is None else fingerprint(request.method, target, held.data, override)
             write = FencedWrite(
                 route.name,
                 job,
@@ -257,10 +265,10 @@ class Proxy:
                 check_lease=fence.check_lease,
             )
             if key is None:
-                return await self._forward_fenced(request, route, target, write, headers, body)
-            return await self._keyed(request, route, target, write, headers, body)
+                return await self._forward_fenced(request, route, target, write, headers, held)
+            return await self._keyed(request, route, target, write, headers, held)
         finally:
-            self._bodies.release(len(body))
+            held.release()
 
     async def _keyed(
         self,
@@ -269,7 +277,7 @@ class Proxy:
         target: str,
         write: FencedWrite,
         headers: CIMultiDict[str],
-        body: bytes,
+        body: HeldBody,
     ) -> web.StreamResponse:
         """A keyed write: a duplicate of one this process is still settling is refused
         or replayed at once; otherwise it goes on, marked in flight here meanwhile."""
@@ -297,7 +305,7 @@ class Proxy:
         target: str,
         write: FencedWrite,
         headers: CIMultiDict[str],
-        body: bytes,
+        body: HeldBody,
     ) -> web.StreamResponse:
         """Forward an admitted write in its job's turn; settle its key, then give the
         turn back, so no other write ever reads the key as orphaned."""
@@ -338,8 +346,9 @@ class Proxy:
                     # Bounded as a whole, so the write cannot outlive its record.
                     async with asyncio.timeout(_in_flight_for(route)):
                         upstream = await self._upstreams.send(
-                            route, request.method, target, headers, body
+                            route, request.method, target, headers, body.data
                         )
+                    body.release()  # the upstream has it
                 except TimeoutError:
                     raise UpstreamTimeout(
                         "the upstream did not answer in time; it may have applied the write"
@@ -369,7 +378,7 @@ class Proxy:
         try:
             if whole and keyed:
                 return _answer(upstream, answer)
-            return await _relay(request, upstream, prefix=answer)
+            return await _relay(request, upstream, self._send_timeout, prefix=answer)
         finally:
             upstream.release()
 
@@ -557,12 +566,16 @@ def _replay(stored: StoredResponse) -> web.Response:
 
 
 async def _relay(
-    request: web.BaseRequest, upstream: UpstreamResponse, prefix: bytes = b""
+    request: web.BaseRequest,
+    upstream: UpstreamResponse,
+    send_timeout: float,
+    prefix: bytes = b"",
 ) -> web.StreamResponse:
     """Stream the upstream's answer (after ``prefix``, already read from it) to the
-    client. If the upstream breaks off mid-answer the client's connection is closed,
-    so the client never takes a cut answer for a whole one. An answer already in
-    whole (the common small one) goes out in one piece."""
+    client. If the upstream breaks off mid-answer, or the client takes nothing for
+    ``send_timeout``, the client's connection is closed, so the client never takes a
+    cut answer for a whole one and a client that does not read holds nothing. An
+    answer already in whole (the common small one) goes out in one piece."""
     if request.method != "HEAD" and upstream.status not in _NO_BODY:
         whole = upstream.received_whole()
         if whole is not None:
@@ -575,10 +588,15 @@ async def _relay(
         if prefix:
             await response.write(prefix)
         async for chunk in upstream.chunks():
-            await response.write(chunk)
+            async with asyncio.timeout(send_timeout):
+                await response.write(chunk)
         await response.write_eof()
     except UpstreamError as exc:
         proxy_log.warning("upstream answer cut short: %s", exc.detail)
+        if request.transport is not None:
+            request.transport.close()
+    except TimeoutError:
+        proxy_log.info("the client took no part of the answer for %gs: closed", send_timeout)
         if request.transport is not None:
             request.transport.close()
     except ConnectionError:

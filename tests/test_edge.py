@@ -20,7 +20,7 @@ import yaml
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.edge import log_accept_errors
-from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port, status
 
 from .conftest import ProxyFactory, fenced, raw_request
 
@@ -246,6 +246,63 @@ async def test_bodies_held_in_memory_are_capped_across_requests(
         w.close()
     await eventually(lambda: bodies.held == 0)
     assert [r.body for r in upstream.received] == [b"{}"]
+
+
+LONG_ANSWER = 32 * 1024 * 1024  # beyond what loopback's socket buffers take
+
+
+async def test_a_body_is_given_back_once_the_upstream_has_it(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """A client that sends its write and then reads nothing of a long answer holds no
+    share of the body budget meanwhile."""
+    upstream.respond = status(200, b"a" * LONG_ANSWER)
+    proxy = await start_proxy(limits={"send_timeout": "60s"})
+    bodies = proxy.server.proxy.bodies  # type: ignore[union-attr]
+    request = b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+    _, writer = await open_raw(proxy.port, request)
+    await upstream.wait_for(1)
+    await eventually(lambda: bodies.held == 0)  # while the answer waits for the client
+    writer.close()
+
+
+async def test_a_client_that_does_not_read_its_answer_is_cut_after_the_send_timeout(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Its connection is being worked for, so the cap cannot take it back: the send
+    timeout does."""
+    upstream.respond = status(200, b"a" * LONG_ANSWER)
+    proxy = await start_proxy(limits={"send_timeout": "500ms"})
+    request = b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+    reader, writer = await open_raw(proxy.port, request)
+    await upstream.wait_for(1)
+    got = 0
+    async with asyncio.timeout(20):
+        await asyncio.sleep(1.5)  # reads nothing for three times the send timeout
+        while chunk := await reader.read(1024 * 1024):
+            got += len(chunk)
+    writer.close()
+    assert got < LONG_ANSWER  # cut short: the proxy closed the connection
+
+
+async def test_a_body_drained_after_its_answer_is_not_taken_for_a_slow_head(
+    strict: Client, upstream: RecordingUpstream
+) -> None:
+    """A write refused before its body was read: the body that follows is drained, and
+    the connection stays open for the next request, with no 408 it did not ask for."""
+    head = b"POST /billing/x HTTP/1.1\r\nHost: a\r\nFencing-Job: j\r\nContent-Length: 100\r\n\r\n"
+    reader, writer = await open_raw(strict.port, head)
+    refused = await reader.readuntil(b"}")
+    assert refused.startswith(b"HTTP/1.1 428 "), refused
+    writer.write(b"x" * 100)
+    await asyncio.sleep(0.6)  # twice the head timeout
+    writer.write(
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+    )
+    second = await reader.readuntil(b'"/billing/x"}')
+    writer.close()
+    assert second.startswith(b"HTTP/1.1 200 "), second
+    assert len(upstream.received) == 1
 
 
 # -- clients that leave, floods ---------------------------------------------------------
