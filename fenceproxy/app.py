@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import ipaddress
 import logging
+import os
 import resource
 import signal
 import time
@@ -33,7 +34,7 @@ from .edge import (
     log_accept_errors,
     problem_response,
 )
-from .errors import Refusal
+from .errors import ListenError, Refusal
 from .lease_api import LeaseService
 from .log import proxy_log, server_log
 from .proxy import Proxy
@@ -195,7 +196,7 @@ def _connection_cap(configured: int) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cap = connection_cap(configured)
     if cap < configured:
-        server_log.warning(
+        server_log.info(
             "limits.max_connections lowered from %d to %d: the descriptor limit is %d "
             "(each client connection may need an upstream one too)",
             configured,
@@ -227,8 +228,8 @@ async def serve(
 ) -> None:
     """Run the proxy of ``config`` until SIGINT or SIGTERM, then stop taking new
     connections, let requests in flight finish for up to ``shutdown_timeout``, and
-    close the store. Raises StoreError when the store cannot be opened, OSError when
-    the address cannot be listened on."""
+    close the store. ``ready`` is called once it listens. Raises StoreError when the
+    store cannot be opened, ListenError when the address cannot be listened on."""
     host, port = parse_listen(config.listen)
     if config.leases is not None and not config.leases.clients and not _loopback(host):
         server_log.warning(
@@ -251,7 +252,11 @@ async def serve(
         )
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            try:
+                await web.TCPSite(runner, host, port).start()
+            except OSError as exc:
+                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+                raise ListenError(f"cannot listen on {config.listen}: {reason}") from None
             ready()
             await stop.wait()
         finally:

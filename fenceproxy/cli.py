@@ -15,7 +15,15 @@ from .app import serve
 from .client import LeaseClient
 from .config import Config, load_config, parse_listen, parse_store_url
 from .demo import run_demo
-from .errors import ConfigError, FenceProxyError, LeaseLost, LeaseRefused, LeaseServiceError
+from .errors import (
+    ConfigError,
+    FenceProxyError,
+    LeaseLost,
+    LeaseRefused,
+    LeaseServiceError,
+    ListenError,
+    StoreError,
+)
 from .log import access_log, server_log
 from .store import migrate_store
 from .tokens import generate_key
@@ -110,16 +118,21 @@ def _serve(config: Config, args: argparse.Namespace) -> None:
     )
     host, port = parse_listen(config.listen)
     loop, loop_name = _event_loop(args.loop)
-    server_log.info(
-        "fenceproxy on http://%s:%d, %d route(s), store: %s, %s",
-        host,
-        port,
-        len(config.routes),
-        parse_store_url(config.store).describe(),
-        loop_name,
-    )
+
+    def listening() -> None:
+        server_log.info(
+            "fenceproxy on http://%s:%d, %d route(s), store: %s, %s",
+            host,
+            port,
+            len(config.routes),
+            parse_store_url(config.store).describe(),
+            loop_name,
+        )
+
     with asyncio.Runner(loop_factory=loop) as runner:
-        runner.run(serve(config, access_log=access_log if args.access_log else None))
+        runner.run(
+            serve(config, access_log=access_log if args.access_log else None, ready=listening)
+        )
 
 
 def _event_loop(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], str]:
@@ -207,6 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _serve(config, args)
     except ConfigError as exc:
         print(f"fenceproxy: config error\n{exc}", file=sys.stderr)
+        return 2
+    except (ListenError, StoreError) as exc:
+        if args.command == "migrate":
+            print(f"fenceproxy: {exc}", file=sys.stderr)
+            return 1
+        # serve could not start: where it listens or where it keeps its state.
+        print(f"fenceproxy: cannot start: {exc}", file=sys.stderr)
         return 2
     except FenceProxyError as exc:
         print(f"fenceproxy: {exc}", file=sys.stderr)

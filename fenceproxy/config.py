@@ -7,9 +7,11 @@ request: :mod:`fenceproxy.routes` compiles the validated routes once.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -590,6 +592,29 @@ def _key(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def _unknown_key(loc: tuple[int | str, ...]) -> str:
+    """What to say of a key no model has at ``loc``: the closest known one, if any."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if isinstance(part, str) and model is not None and part in model.model_fields:
+            model = _model_in(model.model_fields[part].annotation)
+    known = list(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}?"
+    return "unknown key" + (f"; known keys here: {', '.join(known)}" if known else "")
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds, directly, optionally or as the items of a tuple."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
+
+
 def parse_config(data: Any, source: str, overrides: Mapping[str, str] | None = None) -> Config:
     """Validate already-parsed YAML. ``overrides`` come from the command line."""
     if not isinstance(data, dict):
@@ -610,6 +635,8 @@ def parse_config(data: Any, source: str, overrides: Mapping[str, str] | None = N
                 key = f"{key} (from --{key})"
             msg = err["msg"].removeprefix("Value error, ")
             msg = msg.replace("Tuple", "List").replace("tuple", "list")
+            if err["type"] == "extra_forbidden":
+                msg = _unknown_key(err["loc"])
             problems.append((key, msg))
         raise ConfigError(source, problems) from None
 

@@ -2,6 +2,7 @@
 
     FenceProxyError
     ├── ConfigError                  a config file or option is wrong; names the file and key
+    ├── ListenError                  the proxy cannot listen on its address (in use, not allowed)
     ├── StoreError                   the store failed; the proxy fails closed (503)
     │   └── StoreLocked              another process holds the SQLite store
     ├── LeaseError                   raised by the lease client
@@ -96,6 +97,7 @@ __all__ = [
     "LeaseServiceError",
     "LeaseSuperseded",
     "LeaseUnauthenticated",
+    "ListenError",
     "MethodOverrideMalformed",
     "NoRoute",
     "ProxyBusy",
@@ -135,6 +137,10 @@ class ConfigError(FenceProxyError):
         self.problems = problems
         lines = [f"{source}: {key}: {msg}" if key else f"{source}: {msg}" for key, msg in problems]
         super().__init__("\n".join(lines))
+
+
+class ListenError(FenceProxyError):
+    """The proxy cannot listen on its address: it is in use, or not this host's."""
 
 
 class StoreError(FenceProxyError):

@@ -4,6 +4,7 @@ the key and what is wrong, through load_config, the CLI and the console script."
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -206,19 +207,19 @@ BAD_FILES = [
     pytest.param(
         "listne: 127.0.0.1:8080\n" + one_route(),
         "listne",
-        "not permitted",
+        "unknown key; did you mean 'listen'?",
         id="unknown-top-level-key",
     ),
     pytest.param(
         one_route("fence:\n  methodz: [POST]\n"),
         "routes[0].fence.methodz",
-        "not permitted",
+        "unknown key; did you mean 'methods'?",
         id="unknown-fence-key",
     ),
     pytest.param(
         "idempotency:\n  tll: 1h\n" + one_route(),
         "idempotency.tll",
-        "not permitted",
+        "unknown key; did you mean 'ttl'?",
         id="unknown-idempotency-key",
     ),
     pytest.param(
@@ -398,7 +399,7 @@ def test_listen_bare_port_number_hints_host_port(tmp_path: Path) -> None:
 
 def test_unknown_key_with_brackets_is_named(tmp_path: Path) -> None:
     path = write(tmp_path, "routes[0]:\n  timeout: 5s\n" + one_route())
-    assert_names(config_error(path), path, "routes[0]", "not permitted")
+    assert_names(config_error(path), path, "routes[0]", "unknown key; did you mean 'routes'?")
 
 
 @pytest.mark.parametrize("setting", ["timeout: yes", "max_body: on"])
@@ -471,7 +472,7 @@ def test_check_config_good_file_exits_0(tmp_path: Path, capsys: pytest.CaptureFi
         pytest.param(
             one_route("fence:\n  methodz: [POST]\n"),
             "routes[0].fence.methodz",
-            "not permitted",
+            "did you mean 'methods'?",
             id="typo",
         ),
     ],
@@ -535,6 +536,25 @@ def test_serve_bad_listen_option_exits_2_naming_the_option(
     assert "--listen" in err
     assert "expected HOST:PORT" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "suggestion"),
+    [
+        ("upstreem: http://127.0.0.1:9\n", "routes[0].upstreem", "upstream"),
+        ("fence:\n  check_leases: true\n", "routes[0].fence.check_leases", "check_lease"),
+    ],
+)
+def test_an_unknown_key_names_the_closest_known_one(
+    tmp_path: Path, text: str, key: str, suggestion: str
+) -> None:
+    path = write(tmp_path, one_route(text))
+    assert_names(config_error(path), path, key, f"unknown key; did you mean {suggestion!r}?")
+
+
+def test_limits_typo_names_the_closest_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "limits:\n  max_conections: 5\n" + one_route())
+    assert_names(config_error(path), path, "limits.max_conections", "'max_connections'")
 
 
 def test_serve_options_override_the_file(tmp_path: Path, no_serve: list[Config]) -> None:
@@ -618,3 +638,31 @@ def test_bad_postgres_store_urls_are_config_errors(tmp_path: Path, value: str, p
     message = config_error(path)
     assert_names(message, path, "store", phrase)
     assert "secret" not in message
+
+
+@pytest.mark.parametrize(
+    ("store", "said"),
+    [
+        (
+            "sqlite:////nowhere/fences.db",
+            "cannot open SQLite store '/nowhere/fences.db': its folder '/nowhere' does not exist",
+        ),
+        ("postgresql://u@127.0.0.1:9/x", "cannot connect to the PostgreSQL store 127.0.0.1:9/x"),
+        (None, "cannot listen on 127.0.0.1:{port}: address already in use"),
+    ],
+    ids=["sqlite-folder-missing", "postgres-unreachable", "port-in-use"],
+)
+def test_serve_that_cannot_start_says_what_and_where_in_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], store: str | None, said: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        store = store or f"sqlite:///{tmp_path / 'fences.db'}"
+        path = write(tmp_path, f"listen: 127.0.0.1:{port}\nstore: {store}\n" + one_route())
+        assert cli.main(["serve", "-c", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"fenceproxy: cannot start: {said.format(port=port)}" in err
+    assert "Traceback" not in err
+    assert "fenceproxy on http" not in err  # it never said it was serving

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -534,7 +535,7 @@ async def _open(
         try:
             conn = sqlite3.connect(str(path), isolation_level=None, timeout=2.0)
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
+            _raise_opening_error(path, exc)
         try:
             conn.execute("PRAGMA locking_mode = EXCLUSIVE")
             conn.execute("PRAGMA journal_mode = WAL")
@@ -597,4 +598,11 @@ def _raise_opening_error(path: str | Path, exc: BaseException) -> NoReturn:
         raise StoreLocked(
             f"SQLite store {str(path)!r} is in use by another process; one proxy per SQLite file"
         ) from exc
-    raise StoreError(f"cannot open SQLite store {str(path)!r}: {exc}") from exc
+    folder = Path(path).parent
+    if not folder.is_dir():
+        why = f"its folder {str(folder)!r} does not exist"
+    elif not os.access(folder, os.W_OK):
+        why = f"its folder {str(folder)!r} is not writable"
+    else:
+        why = str(exc)
+    raise StoreError(f"cannot open SQLite store {str(path)!r}: {why}") from exc
