@@ -195,6 +195,7 @@ def proxy_config(directory: Path, name: str, upstream: int, store: str) -> Path:
     config = directory / f"{name}.yaml"
     config.write_text(f"""
 store: {store}
+admin: false
 routes:
   - name: open
     path: /open/

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .admin import admin_app
 from .config import Config, lease_credentials, parse_listen, parse_store_url, signing_keys
 from .edge import (
     Bodies,
@@ -37,6 +38,7 @@ from .edge import (
 from .errors import ListenError, Refusal
 from .lease_api import LeaseService
 from .log import proxy_log, server_log
+from .metrics import Metrics
 from .proxy import Proxy
 from .routes import Router
 from .store import Store, open_store
@@ -73,10 +75,13 @@ class FenceProxy:
         self._router = Router(config.routes)
         self._keys = signing_keys(config.signing, "config")
         self._bodies = Bodies(config.limits.max_buffered, config.limits.body_timeout)
+        self.metrics = Metrics()
+        """What this proxy counts, served by the admin listener (:mod:`fenceproxy.admin`)."""
         self._leases = (
             LeaseService(
                 config.leases,
                 self._bodies,
+                self.metrics,
                 self._keys,
                 lease_credentials(config.leases, "config"),
             )
@@ -110,7 +115,7 @@ class FenceProxy:
         )
         if self._leases is not None:
             self._leases.store = self._store
-        self._upstreams = UpstreamPool(self._router)
+        self._upstreams = UpstreamPool(self._router, self.metrics)
         self._proxy = Proxy(
             self._router,
             self._store,
@@ -119,6 +124,7 @@ class FenceProxy:
             max_stored_response=config.idempotency.max_response,
             bodies=self._bodies,
             send_timeout=config.limits.send_timeout,
+            metrics=self.metrics,
             keys=self._keys,
         )
         return self
@@ -143,9 +149,18 @@ class FenceProxy:
         ``access_log``)."""
         # auto_decompress off: a compressed request body is forwarded as it came, with
         # its Content-Encoding, never decoded on the way.
-        return ProxyServer(
+        server = ProxyServer(
             self.handle, self.config.limits, auto_decompress=False, **_SERVER_LIMITS, **kwargs
         )
+        self.metrics.watch(
+            bodies_held=lambda: self._bodies.held,
+            connections=lambda: server.open_connections,
+        )
+        return server
+
+    def admin(self) -> web.Application:
+        """The admin listener's application (:mod:`fenceproxy.admin`)."""
+        return admin_app(lambda: self.store, self.metrics)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Answer one request: the lease API under its prefix, a route otherwise.
@@ -230,7 +245,7 @@ async def serve(
     connections, let requests in flight finish for up to ``shutdown_timeout``, and
     close the store. ``ready`` is called once it listens. Raises StoreError when the
     store cannot be opened, ListenError when the address cannot be listened on."""
-    host, port = parse_listen(config.listen)
+    host = parse_listen(config.listen)[0]
     if config.leases is not None and not config.leases.clients and not _loopback(host):
         server_log.warning(
             "the lease API on %s takes no credentials: anyone who reaches it can claim, "
@@ -250,14 +265,24 @@ async def serve(
             handle_signals=False,
             shutdown_timeout=config.shutdown_timeout,
         )
+        admin = web.AppRunner(proxy.admin(), access_log=None, handle_signals=False)
         await runner.setup()
+        await admin.setup()
         try:
-            try:
-                await web.TCPSite(runner, host, port).start()
-            except OSError as exc:
-                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-                raise ListenError(f"cannot listen on {config.listen}: {reason}") from None
+            await _listen(runner, config.listen)
+            if config.admin is not None:
+                await _listen(admin, config.admin)
             ready()
             await stop.wait()
         finally:
+            await admin.cleanup()
             await runner.cleanup()
+
+
+async def _listen(runner: web.BaseRunner, address: str) -> None:
+    host, port = parse_listen(address)
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise ListenError(f"cannot listen on {address}: {reason}") from None

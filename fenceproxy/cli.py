@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
     serve.add_argument("--listen", metavar="HOST:PORT", help="override the file's listen")
     serve.add_argument("--store", metavar="URL", help="override the file's store")
+    serve.add_argument(
+        "--admin", metavar="HOST:PORT", help="override the file's admin listener ('off' for none)"
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     serve.add_argument(
         "--access-log",
@@ -107,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace) -> Config:
     overrides = {
-        key: value for key in ("listen", "store") if (value := getattr(args, key, None)) is not None
+        key: value
+        for key in ("listen", "store", "admin")
+        if (value := getattr(args, key, None)) is not None
     }
     return load_config(args.config, overrides)
 

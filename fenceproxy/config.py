@@ -417,6 +417,8 @@ class Config(_Model):
     """The whole file."""
 
     listen: str = "127.0.0.1:8080"
+    admin: str | None = "127.0.0.1:9901"
+    """The admin listener (/healthz, /readyz, /metrics); ``false`` for none."""
     store: str = "sqlite:///fenceproxy.db"
     idempotency: IdempotencySpec = IdempotencySpec()
     leases: LeasesSpec | None = None
@@ -435,6 +437,22 @@ class Config(_Model):
             raise ValueError("expected HOST:PORT, such as 127.0.0.1:8080, not a bare port")
         parse_listen(value)
         return value
+
+    @field_validator("admin", mode="before")
+    @classmethod
+    def _admin(cls, value: Any) -> Any:
+        if value is False or value is None or value == "off":
+            return None
+        if not isinstance(value, str):
+            raise ValueError("expected HOST:PORT, such as 127.0.0.1:9901, or false for none")
+        parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _admin_apart(self) -> Config:
+        if self.admin is not None and parse_listen(self.admin) == parse_listen(self.listen):
+            raise ValueError("admin must listen on another address than listen")
+        return self
 
     @field_validator("store")
     @classmethod

@@ -36,6 +36,7 @@
         ├── DuplicateNotStored       409  the key completed, its response was too large to keep
         ├── KeyReused                422  the same key with another method, path or body
         ├── StoreUnavailable         503  the fence could not be read or recorded
+        ├── StoreNotReady            503  the admin listener's /readyz: the store is not ready
         ├── JobQuarantined           503  an earlier write of the job has an unknown outcome
         ├── LeaseRequestMalformed    400  a lease request body that is not JSON
         ├── LeaseRequestInvalid      422  a lease request with missing or invalid fields
@@ -109,6 +110,7 @@ __all__ = [
     "StaleGeneration",
     "StoreError",
     "StoreLocked",
+    "StoreNotReady",
     "StoreUnavailable",
     "TokenRejected",
     "UnsupportedFraming",
@@ -326,6 +328,10 @@ class KeyReused(Refusal):
 
 class StoreUnavailable(Refusal):
     slug, status, title = "store-unavailable", 503, "Fencing store unavailable"
+
+
+class StoreNotReady(Refusal):
+    slug, status, title = "store-not-ready", 503, "The store is not ready"
 
 
 class JobQuarantined(Refusal):

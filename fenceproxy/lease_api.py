@@ -41,6 +41,7 @@ from .fencing import GENERATION_MAX, parse_job
 from .lease_auth import LeaseCaller, LeaseCredentials
 from .leasing import Lease, LeaseState
 from .log import lease_log
+from .metrics import Metrics
 from .store import Store
 from .tokens import SigningKeys
 
@@ -94,6 +95,7 @@ class LeaseService:
         self,
         spec: LeasesSpec,
         bodies: Bodies,
+        metrics: Metrics,
         keys: SigningKeys | None = None,
         credentials: LeaseCredentials | None = None,
     ) -> None:
@@ -104,6 +106,7 @@ class LeaseService:
         self._keys = keys
         self._credentials = credentials
         self._bodies = bodies
+        self._metrics = metrics
         self._actions = {
             "claim": self.claim,
             "renew": self.renew,
@@ -136,7 +139,7 @@ class LeaseService:
         owner = _owner(body.owner, caller)
         ttl = self._ttl(body.ttl)
         result, now = await self._change(
-            job, lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now)
+            "claim", job, lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now)
         )
         lease_log.info("claim %r by %r: generation %d", job, owner, result.generation)
         return self._answer(result, now)
@@ -149,6 +152,7 @@ class LeaseService:
         ttl = None if body.ttl is None else self._ttl(body.ttl)
         return self._answer(
             *await self._change(
+                "renew",
                 job,
                 lambda cur, fence, now: leasing.renew(cur, job, owner, body.generation, ttl, now),
             )
@@ -157,12 +161,12 @@ class LeaseService:
     async def complete(
         self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
     ) -> web.Response:
-        return await self._end(request, job, caller, leasing.complete)
+        return await self._end(request, job, caller, "complete", leasing.complete)
 
     async def release(
         self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
     ) -> web.Response:
-        return await self._end(request, job, caller, leasing.release)
+        return await self._end(request, job, caller, "release", leasing.release)
 
     async def show(self, request: web.BaseRequest, job: str) -> web.Response:
         lease, now = await self._store().lease(job)
@@ -173,21 +177,31 @@ class LeaseService:
         return self._answer(lease, now, with_token=self._keys is None)
 
     async def _end(
-        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None, decide: Any
+        self,
+        request: web.BaseRequest,
+        job: str,
+        caller: LeaseCaller | None,
+        action: str,
+        decide: Any,
     ) -> web.Response:
         body = await self._parse(request, _Holder)
         owner = _owner(body.owner, caller)
         result, now = await self._change(
-            job, lambda cur, fence, now: decide(cur, job, owner, body.generation, now)
+            action,
+            job,
+            lambda cur, fence, now: decide(cur, job, owner, body.generation, now),
         )
         lease_log.info("%s %r by %r at generation %d", result.state, job, owner, body.generation)
         return self._answer(result, now)
 
-    async def _change(self, job: str, change: Any) -> tuple[Lease, float]:
-        """The changed lease and the store's clock when it changed; refusals raised."""
+    async def _change(self, action: str, job: str, change: Any) -> tuple[Lease, float]:
+        """The changed lease and the store's clock when it changed; refusals raised.
+        Counted by action and result."""
         result, now = await self._store().change_lease(job, change)
         if isinstance(result, Refusal):
+            self._metrics.lease_call(action, result.slug)
             raise result
+        self._metrics.lease_call(action, "granted")
         return result, now
 
     async def _parse(self, request: web.BaseRequest, schema: type[_Body]) -> Any:

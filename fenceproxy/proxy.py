@@ -74,6 +74,7 @@ from .fencing import (
 )
 from .http1 import UpstreamResponse
 from .log import proxy_log
+from .metrics import Metrics
 from .routes import Route, Router
 from .store import Store
 from .tokens import SigningKeys, read_token
@@ -115,11 +116,13 @@ class Proxy:
         max_stored_response: int,
         bodies: Bodies,
         send_timeout: float,
+        metrics: Metrics,
         keys: SigningKeys | None = None,
     ) -> None:
         """``send_timeout`` bounds each wait for a client to take the next part of a
-        streamed answer."""
+        streamed answer; every fenced write's outcome is counted in ``metrics``."""
         self._router = router
+        self._metrics = metrics
         self._bodies = bodies
         self._send_timeout = send_timeout
         self._store = store
@@ -161,7 +164,14 @@ class Proxy:
             ]
         )
         if fence.fences(request.method) or (override is not None and fence.fences(override)):
-            return await self._fenced(request, route, target, path_job, override, aliases)
+            try:
+                response = await self._fenced(request, route, target, path_job, override, aliases)
+            except Refusal as refusal:
+                self._metrics.decided(route.name, refusal.slug)
+                raise
+            replayed = hdrs.IDEMPOTENT_REPLAYED in response.headers
+            self._metrics.decided(route.name, "replayed" if replayed else "forwarded")
+            return response
         return await self._pass_through(request, route, target)
 
     async def close(self) -> None:
@@ -344,10 +354,11 @@ class Proxy:
                 outcome, in_doubt = "unknown", True  # from here on it may reach the upstream
                 try:
                     # Bounded as a whole, so the write cannot outlive its record.
-                    async with asyncio.timeout(_in_flight_for(route)):
-                        upstream = await self._upstreams.send(
-                            route, request.method, target, headers, body.data
-                        )
+                    with self._metrics.in_flight.track_inprogress():
+                        async with asyncio.timeout(_in_flight_for(route)):
+                            upstream = await self._upstreams.send(
+                                route, request.method, target, headers, body.data
+                            )
                     body.release()  # the upstream has it
                 except TimeoutError:
                     raise UpstreamTimeout(

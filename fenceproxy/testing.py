@@ -319,9 +319,12 @@ class ProxyProcess:
         self._nofile = nofile
         self._env = None if env is None else {**os.environ, **env}
         self.url = f"http://127.0.0.1:{port}"
+        self.admin_url = f"http://127.0.0.1:{free_port()}"
+        """Its admin listener (a port of its own, so several can run at once)."""
         self._argv = [
             *command, "serve", "-c", os.fspath(config),
-            "--listen", f"127.0.0.1:{port}", *args,
+            "--listen", f"127.0.0.1:{port}", "--admin", self.admin_url.removeprefix("http://"),
+            *args,
         ]  # fmt: skip
         self._log = (  # closed by stop()
             tempfile.TemporaryFile() if log is None else open(log, "a+b")  # noqa: SIM115

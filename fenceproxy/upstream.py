@@ -9,6 +9,7 @@ never retries a request on its own: retrying a write is the worker's decision.
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ from yarl import URL
 from . import hdrs
 from .errors import RequestHeaderMalformed
 from .http1 import Origin, UpstreamResponse
+from .metrics import Metrics
 from .routes import Route
 
 __all__ = [
@@ -158,7 +160,9 @@ def _append_via(headers: CIMultiDict[str], version: Any) -> None:
 class UpstreamPool:
     """The connection pool of each upstream origin the routes name, made at start-up."""
 
-    def __init__(self, routes: Iterable[Route]) -> None:
+    def __init__(self, routes: Iterable[Route], metrics: Metrics | None = None) -> None:
+        """``metrics`` records each answer's latency, by route and status class."""
+        self._metrics = metrics
         self._origins: dict[URL, Origin] = {}
         for route in routes:
             if route.upstream not in self._origins:
@@ -178,14 +182,23 @@ class UpstreamPool:
         """Send a request to the route's upstream and return once the upstream's status
         and headers are in; the caller must release the response it gets. Raises
         UpstreamError (see :mod:`fenceproxy.http1`)."""
-        return await self._origins[route.upstream].request(
-            method,
-            route.base_path + target,
-            headers,
-            body,
-            connect_timeout=route.connect_timeout,
-            read_timeout=route.timeout,
-        )
+        metrics = self._metrics
+        started = time.monotonic()
+        status: int | None = None
+        try:
+            response = await self._origins[route.upstream].request(
+                method,
+                route.base_path + target,
+                headers,
+                body,
+                connect_timeout=route.connect_timeout,
+                read_timeout=route.timeout,
+            )
+            status = response.status
+            return response
+        finally:
+            if metrics is not None:
+                metrics.upstream_answered(route.name, time.monotonic() - started, status)
 
     async def close(self) -> None:
         for origin in self._origins.values():

@@ -206,7 +206,7 @@ def write_config(tmp_path: Path, leases: dict[str, Any]) -> Path:
         ({"name": "a", "file": "missing.secret"}, {}, "leases.clients[0].file", "cannot read"),
         ({"name": "a", "env": "FP_S", "file": "x"}, {}, "leases.clients[0]", "exactly one"),
         ({"name": "a b", "env": "FP_S"}, {}, "leases.clients[0].name", "pattern"),
-        ({"name": "a", "secret": BILLING}, {}, "leases.clients[0].secret", "not permitted"),
+        ({"name": "a", "secret": BILLING}, {}, "leases.clients[0].secret", "unknown key"),
     ],
 )
 def test_a_credential_that_cannot_be_read_is_a_config_error_naming_its_key(

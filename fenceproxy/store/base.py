@@ -135,6 +135,11 @@ class Store(abc.ABC):
         """The job's lease record, if a lease was ever taken on it, and the store's now."""
 
     @abc.abstractmethod
+    async def check(self) -> None:
+        """Whether the store answers and its schema is this fenceproxy's: StoreError
+        saying why not (for a readiness probe)."""
+
+    @abc.abstractmethod
     async def purge_expired(self) -> int:
         """Delete idempotency keys and in-flight records past their time; how many."""
 

@@ -423,6 +423,11 @@ class PostgresStore(Store):
 
         return await self._run(tx, transaction=False)
 
+    async def check(self) -> None:
+        version = await self._run(_schema_version, transaction=False)
+        if version != SCHEMA_VERSION:
+            raise StoreError(_version_problem(self._where, version))
+
     async def purge_expired(self) -> int:
         async def tx(conn: _Conn) -> int:
             clock = self._clock()

@@ -323,6 +323,14 @@ class SQLiteStore(Store):
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
+    async def check(self) -> None:
+        def op(tx: _Batch) -> int:
+            return int(tx.one("PRAGMA user_version", ())[0])
+
+        version = await self._submit(op)
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"the SQLite store has schema version {version}, not {SCHEMA_VERSION}")
+
     async def purge_expired(self) -> int:
         def op(tx: _Batch) -> int:
             now = self._clock()

@@ -1,0 +1,79 @@
+"""Every metric of one proxy, in a Prometheus registry of its own (so two proxies in
+one process, as in the tests, never mix). The proxy, the upstream pool and the lease
+API record into it; the admin listener serves it at ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """Every metric of one proxy, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._decisions = Counter(
+            "fenceproxy_decisions",
+            "Fenced writes by route and outcome: forwarded, replayed, or the problem kind "
+            "of the refusal (stale-generation, duplicate-in-flight, job-quarantined, ...)",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self._upstream = Histogram(
+            "fenceproxy_upstream_seconds",
+            "From sending a request upstream to the head of its answer, by route and "
+            "status class (2xx ... 5xx, or error when none came)",
+            ["route", "status_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "fenceproxy_writes_in_flight",
+            "Fenced writes sent upstream whose answer has not come yet",
+            registry=r,
+        )
+        self._leases = Counter(
+            "fenceproxy_lease_calls",
+            "Lease API calls by action (claim, renew, complete, release) and result "
+            "(granted, or the problem kind of the refusal)",
+            ["action", "result"],
+            registry=r,
+        )
+        self.bodies_held = Gauge(
+            "fenceproxy_request_bytes_held",
+            "Request bodies held in memory (limits.max_buffered caps it)",
+            registry=r,
+        )
+        self.connections = Gauge(
+            "fenceproxy_client_connections", "Open client connections", registry=r
+        )
+        from . import __version__
+
+        Info("fenceproxy_build", "The running fenceproxy", registry=r).info(
+            {"version": __version__}
+        )
+
+    def decided(self, route: str, outcome: str) -> None:
+        self._decisions.labels(route, outcome).inc()
+
+    def upstream_answered(self, route: str, seconds: float, status: int | None) -> None:
+        status_class = "error" if status is None else f"{status // 100}xx"
+        self._upstream.labels(route, status_class).observe(seconds)
+
+    def lease_call(self, action: str, result: str) -> None:
+        self._leases.labels(action, result).inc()
+
+    def watch(self, bodies_held: Callable[[], float], connections: Callable[[], float]) -> None:
+        """Read these gauges from the proxy when scraped."""
+        self.bodies_held.set_function(bodies_held)
+        self.connections.set_function(connections)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

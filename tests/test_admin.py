@@ -1,0 +1,169 @@
+"""The admin listener over real HTTP, on both stores: liveness, readiness that follows
+the store (a schema moved on under a running proxy, a closed store), and metrics in
+the Prometheus text format that count what the proxy decided. Then the config's side
+and a real process with its admin listener on an address of its own."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from fenceproxy import cli
+from fenceproxy.config import parse_config
+from fenceproxy.errors import ConfigError
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
+
+from .conftest import ProxyFactory, fenced
+from .postgres import sql
+from .test_proxy import problem
+
+Client = TestClient[Any, Any]
+
+
+@pytest.fixture
+async def proxy(start_proxy: ProxyFactory) -> Client:
+    return await start_proxy(leases={})
+
+
+@pytest.fixture
+async def admin(proxy: Client, aiohttp_client: Any) -> Client:
+    client: Client = await aiohttp_client(proxy.server.proxy.admin())  # type: ignore[union-attr]
+    return client
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text page, by name and sorted labels."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def scrape(admin: Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = await admin.get("/metrics")
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/plain; version=")
+    return samples(await response.text())
+
+
+async def test_healthz_and_readyz_answer_while_the_store_is_ready(admin: Client) -> None:
+    assert (await admin.get("/healthz")).status == 200
+    ready = await admin.get("/readyz")
+    assert ready.status == 200
+    assert (await ready.json()) == {"status": "ready"}
+    await problem(await admin.get("/nothing-here"), 404, "no-route")
+
+
+async def test_readyz_is_503_with_the_reason_when_the_store_is_not_ready(
+    proxy: Client, admin: Client, store_url: str
+) -> None:
+    if store_url.startswith("postgresql"):
+        # Another fenceproxy migrated the database past this one's schema.
+        await sql(store_url, "INSERT INTO fenceproxy_schema (version) VALUES (999)")
+        try:
+            body = await problem(await admin.get("/readyz"), 503, "store-not-ready")
+        finally:
+            await sql(store_url, "DELETE FROM fenceproxy_schema WHERE version = 999")
+        assert "schema version 999" in body["detail"]
+    else:
+        await proxy.server.proxy.store.close()  # type: ignore[union-attr]
+        body = await problem(await admin.get("/readyz"), 503, "store-not-ready")
+        assert "closed" in body["detail"]
+    assert (await admin.get("/healthz")).status == 200  # alive all the same
+
+
+async def test_metrics_count_what_the_proxy_decided(
+    proxy: Client, admin: Client, upstream: RecordingUpstream
+) -> None:
+    claim = await proxy.post("/_leases/j/claim", json={"owner": "w1"})
+    assert claim.status == 200
+    assert (await fenced(proxy, "j", 1, key="k1")).status == 200  # forwarded
+    assert (await fenced(proxy, "j", 1, key="k1")).status == 200  # replayed
+    await problem(await fenced(proxy, "j", 0), 409, "stale-generation")
+    await problem(await fenced(proxy, "j", None), 428, "fencing-header-missing")
+    held = await proxy.post("/_leases/j/claim", json={"owner": "w2"})
+    assert held.status == 409
+    got = await scrape(admin)
+
+    def decisions(outcome: str) -> float:
+        key = ("fenceproxy_decisions_total", (("outcome", outcome), ("route", "billing")))
+        return got.get(key, 0.0)
+
+    assert decisions("forwarded") == 1
+    assert decisions("replayed") == 1
+    assert decisions("stale-generation") == 1
+    assert decisions("fencing-header-missing") == 1
+    assert got[("fenceproxy_lease_calls_total", (("action", "claim"), ("result", "granted")))] == 1
+    lease_held = (("action", "claim"), ("result", "lease-held"))
+    assert got[("fenceproxy_lease_calls_total", lease_held)] == 1
+    answered = (("route", "billing"), ("status_class", "2xx"))
+    assert got[("fenceproxy_upstream_seconds_count", answered)] == len(upstream.received) == 1
+    assert got[("fenceproxy_writes_in_flight", ())] == 0
+    assert got[("fenceproxy_request_bytes_held", ())] == 0
+    assert got[("fenceproxy_client_connections", ())] >= 1
+    assert ("fenceproxy_build_info", (("version", "0.1.0"),)) in got
+
+
+def test_the_admin_listener_is_loopback_by_default_and_apart_from_the_proxy() -> None:
+    routes = [{"name": "b", "path": "/b/", "upstream": "http://127.0.0.1:9"}]
+    assert parse_config({"routes": routes}, "f.yaml").admin == "127.0.0.1:9901"
+    assert parse_config({"routes": routes, "admin": False}, "f.yaml").admin is None
+    with pytest.raises(ConfigError, match=r"f\.yaml: admin must listen on another address"):
+        parse_config({"routes": routes, "listen": "127.0.0.1:9901"}, "f.yaml")
+    with pytest.raises(ConfigError, match="admin: expected HOST:PORT"):
+        parse_config({"routes": routes, "admin": 9901}, "f.yaml")
+
+
+async def test_a_running_proxy_serves_its_admin_listener_apart(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    config = tmp_path / "proxy.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "store": f"sqlite:///{tmp_path / 'fences.db'}",
+                "routes": [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
+            }
+        )
+    )
+    proxy = await ProxyProcess(config, free_port()).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{proxy.admin_url}/readyz") as ready:
+                assert ready.status == 200
+            async with session.get(f"{proxy.url}/healthz") as not_here:
+                assert not_here.status == 404  # the proxy's port serves routes only
+    finally:
+        await proxy.stop()
+
+
+def test_an_admin_address_in_use_stops_the_start_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "proxy.yaml"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "listen": f"127.0.0.1:{free_port()}",
+                    "admin": f"127.0.0.1:{port}",
+                    "store": f"sqlite:///{tmp_path / 'fences.db'}",
+                    "routes": [{"name": "b", "path": "/b/", "upstream": "http://127.0.0.1:9"}],
+                }
+            )
+        )
+        assert cli.main(["serve", "-c", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in err
+    assert "Traceback" not in err
