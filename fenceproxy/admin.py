@@ -5,6 +5,10 @@ the proxy's port: what operators and their tools ask of a running proxy.
     GET /readyz    200 when the store answers and its schema is current; 503 with the
                    reason otherwise (a readiness probe, a load balancer's check)
     GET /metrics   the Prometheus text format (prometheus-client)
+    GET /jobs/{job}            what the store holds of one job: its highest generation
+                               and when it was set, its lease, its in-flight record and
+                               its recent idempotency keys (never their answers)
+    GET /jobs?prefix=&after=&limit=   job ids with a fence or a lease, a page at a time
 
 The metrics are :class:`fenceproxy.metrics.Metrics`.
 """
@@ -12,17 +16,29 @@ The metrics are :class:`fenceproxy.metrics.Metrics`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .edge import problem_response
-from .errors import NoRoute, StoreError, StoreNotReady
+from .errors import (
+    NoRoute,
+    Refusal,
+    RequestMalformed,
+    StoreError,
+    StoreNotReady,
+    StoreUnavailable,
+)
+from .fencing import parse_job
 from .log import server_log
 from .metrics import Metrics
 from .store import Store
+from .store.base import JobView
 
 __all__ = ["admin_app"]
+
+_MAX_PAGE = 1000
 
 
 def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
@@ -44,14 +60,89 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
-    async def unknown(request: web.Request) -> web.Response:
-        return problem_response(
-            NoRoute(f"the admin listener has no {request.path}: see /healthz, /readyz, /metrics")
+    async def job(request: web.Request) -> web.Response:
+        job_id = parse_job(request.match_info["job"], "path")
+        try:
+            view = await store().inspect(job_id)
+        except StoreError as exc:
+            return problem_response(StoreUnavailable(f"the store could not be read: {exc}"))
+        if not view.known:
+            return problem_response(NoRoute(f"the store holds nothing of job {job_id!r}"))
+        return web.json_response(_job_json(view))
+
+    async def jobs(request: web.Request) -> web.Response:
+        query = request.query
+        try:
+            limit = int(query.get("limit", "100"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= _MAX_PAGE:
+            return problem_response(
+                RequestMalformed(f"limit must be a whole number from 1 to {_MAX_PAGE}")
+            )
+        try:
+            found = await store().jobs(query.get("prefix", ""), query.get("after", ""), limit)
+        except StoreError as exc:
+            return problem_response(StoreUnavailable(f"the store could not be read: {exc}"))
+        return web.json_response(
+            {"jobs": found, "next": found[-1] if len(found) == limit else None}
         )
 
-    app = web.Application()
+    async def unknown(request: web.Request) -> web.Response:
+        return problem_response(
+            NoRoute(
+                f"the admin listener has no {request.path}: see /healthz, /readyz, /metrics, /jobs"
+            )
+        )
+
+    @web.middleware
+    async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+        except Refusal as refusal:  # a job id that is not one, say
+            return problem_response(refusal)
+        return response
+
+    app = web.Application(middlewares=[refusals])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/jobs", jobs)
+    app.router.add_get("/jobs/{job}", job)
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
+
+
+def _job_json(view: JobView) -> dict[str, Any]:
+    lease = view.lease
+    return {
+        "job": view.job,
+        "now": view.now,
+        "generation": view.generation,
+        "generation_set_at": view.generation_set_at,
+        "lease": None
+        if lease is None
+        else {
+            "owner": lease.owner,
+            "generation": lease.generation,
+            "state": lease.state.value,
+            "live": lease.live(view.now),
+            "lease_until": lease.lease_until,
+            "expires_in": max(0.0, lease.lease_until - view.now),
+        },
+        "in_flight": None
+        if view.in_flight is None
+        else dict(zip(("holder", "state", "expires_at"), view.in_flight, strict=True)),
+        "keys": [
+            {
+                "route": k.route,
+                "key": k.key,
+                "state": k.state,
+                "generation": k.generation,
+                "status": k.status,
+                "created_at": k.created_at,
+                "expires_at": k.expires_at,
+            }
+            for k in view.keys
+        ],
+    }

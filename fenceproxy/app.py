@@ -113,6 +113,7 @@ class FenceProxy:
         self._store = self._given_store or await open_store(
             parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=self._clock
         )
+        self._store.on_commit = self.metrics.committed
         if self._leases is not None:
             self._leases.store = self._store
         self._upstreams = UpstreamPool(self._router, self.metrics)

@@ -34,6 +34,18 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._commits = Histogram(
+            "fenceproxy_store_commit_seconds",
+            "How long a store transaction took, to its commit",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._batches = Histogram(
+            "fenceproxy_store_batch_operations",
+            "Operations per committed transaction (SQLite batches them; PostgreSQL: 1)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self.in_flight = Gauge(
             "fenceproxy_writes_in_flight",
             "Fenced writes sent upstream whose answer has not come yet",
@@ -66,6 +78,10 @@ class Metrics:
     def upstream_answered(self, route: str, seconds: float, status: int | None) -> None:
         status_class = "error" if status is None else f"{status // 100}xx"
         self._upstream.labels(route, status_class).observe(seconds)
+
+    def committed(self, seconds: float, operations: int) -> None:
+        self._commits.observe(seconds)
+        self._batches.observe(operations)
 
     def lease_call(self, action: str, result: str) -> None:
         self._leases.labels(action, result).inc()

@@ -5,6 +5,7 @@ and a real process with its admin listener on an address of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,10 @@ async def test_metrics_count_what_the_proxy_decided(
     assert got[("fenceproxy_request_bytes_held", ())] == 0
     assert got[("fenceproxy_client_connections", ())] >= 1
     assert ("fenceproxy_build_info", (("version", "0.1.0"),)) in got
+    commits = got[("fenceproxy_store_commit_seconds_count", ())]
+    assert commits >= 1
+    assert got[("fenceproxy_store_batch_operations_count", ())] == commits
+    assert got[("fenceproxy_store_batch_operations_sum", ())] >= commits
 
 
 def test_the_admin_listener_is_loopback_by_default_and_apart_from_the_proxy() -> None:
@@ -167,3 +172,58 @@ def test_an_admin_address_in_use_stops_the_start_in_one_line(
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}: address already in use" in err
     assert "Traceback" not in err
+
+
+async def test_a_job_is_shown_with_its_fence_lease_in_flight_record_and_keys(
+    proxy: Client, admin: Client, upstream: RecordingUpstream
+) -> None:
+    claim = await proxy.post("/_leases/invoice-7/claim", json={"owner": "w1", "ttl": 30})
+    generation = (await claim.json())["generation"]
+    assert (await fenced(proxy, "invoice-7", generation, key="k1")).status == 200
+    release = upstream.hold()
+    pending = asyncio.ensure_future(fenced(proxy, "invoice-7", generation, key="k2"))
+    await upstream.wait_for(2)  # the second write is at the upstream now
+    response = await admin.get("/jobs/invoice-7")
+    assert response.status == 200
+    shown = await response.json()
+    release()
+    assert (await pending).status == 200
+    assert shown["job"] == "invoice-7"
+    assert shown["generation"] == generation
+    assert shown["generation_set_at"] <= shown["now"]
+    assert shown["lease"]["owner"] == "w1"
+    assert shown["lease"]["live"] is True
+    assert 29 <= shown["lease"]["expires_in"] <= 30
+    assert shown["in_flight"]["state"] == "in_flight"
+    assert shown["in_flight"]["expires_at"] > shown["now"]
+    keys = {k["key"]: k for k in shown["keys"]}
+    assert keys["k1"]["state"] == "completed"
+    assert keys["k1"]["status"] == 200
+    assert keys["k2"]["state"] == "in_flight"
+    assert all("body" not in k and "headers" not in k for k in shown["keys"])
+    # Once answered, the record is gone and the key completed.
+    after = await (await admin.get("/jobs/invoice-7")).json()
+    assert after["in_flight"] is None
+    assert {k["key"]: k["state"] for k in after["keys"]} == {"k1": "completed", "k2": "completed"}
+
+
+async def test_jobs_are_listed_by_prefix_a_page_at_a_time(proxy: Client, admin: Client) -> None:
+    for job in ("a-1", "a-2", "a-3", "b-1"):
+        assert (await fenced(proxy, job, 1)).status == 200
+    assert (await proxy.post("/_leases/a-4/claim", json={"owner": "w"})).status == 200
+    first = await (await admin.get("/jobs", params={"prefix": "a-", "limit": "2"})).json()
+    assert first == {"jobs": ["a-1", "a-2"], "next": "a-2"}
+    rest = await (
+        await admin.get("/jobs", params={"prefix": "a-", "limit": "2", "after": "a-2"})
+    ).json()
+    assert rest == {"jobs": ["a-3", "a-4"], "next": "a-4"}
+    last = await (
+        await admin.get("/jobs", params={"prefix": "a-", "limit": "2", "after": "a-4"})
+    ).json()
+    assert last == {"jobs": [], "next": None}
+    await problem(await admin.get("/jobs", params={"limit": "0"}), 400, "request-malformed")
+
+
+async def test_an_unknown_or_malformed_job_is_a_problem_not_a_500(admin: Client) -> None:
+    await problem(await admin.get("/jobs/nobody"), 404, "no-route")
+    await problem(await admin.get("/jobs/%01"), 400, "fencing-header-malformed")

@@ -23,6 +23,7 @@ import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import Refusal
@@ -40,10 +41,15 @@ from ..leasing import Lease, LeaseState, check_write
 from ..log import store_log
 
 __all__ = [
+    "JOBS_SQL",
+    "JOB_VIEW_SQL",
     "JobLocks",
+    "JobView",
+    "KeyView",
     "LeaseChange",
     "Store",
     "decide_write",
+    "job_view",
     "key_not_held",
     "key_record",
     "key_row",
@@ -68,6 +74,8 @@ class Store(abc.ABC):
     def __init__(self) -> None:
         self.locks = JobLocks()
         """This process's queue per job, in front of the store's in-flight records."""
+        self.on_commit: Callable[[float, int], object] = lambda seconds, operations: None
+        """Told of each commit: how long it took and how many operations it held."""
 
     @abc.abstractmethod
     async def admit(self, write: FencedWrite) -> tuple[Admit | Replay | Refusal | Busy, float]:
@@ -135,6 +143,16 @@ class Store(abc.ABC):
         """The job's lease record, if a lease was ever taken on it, and the store's now."""
 
     @abc.abstractmethod
+    async def inspect(self, job: str) -> JobView:
+        """What the store holds of ``job``, read while the proxy runs (the admin
+        listener's ``/jobs/{job}``)."""
+
+    @abc.abstractmethod
+    async def jobs(self, prefix: str, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` job ids with a fence or a lease, starting with ``prefix``,
+        after ``after``, in the store's order."""
+
+    @abc.abstractmethod
     async def check(self) -> None:
         """Whether the store answers and its schema is this fenceproxy's: StoreError
         saying why not (for a readiness probe)."""
@@ -151,6 +169,88 @@ class Store(abc.ABC):
         """Queue this process's writes of one job, first come first served, so only the
         first of them asks the store for the job's in-flight record."""
         return self.locks(job)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyView:
+    """One idempotency key of a job, as an operator sees it (never its answer)."""
+
+    route: str
+    key: str
+    state: str
+    generation: int
+    status: int | None
+    created_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """What the store holds of one job, on the store's clock (``now``)."""
+
+    job: str
+    now: float
+    generation: int | None
+    generation_set_at: float | None
+    lease: Lease | None
+    in_flight: tuple[str, str, float] | None
+    """The job's in-flight record: (holder, state, expires_at)."""
+    keys: tuple[KeyView, ...]
+    """The most recent keys first, at most :data:`RECENT_KEYS`."""
+
+    @property
+    def known(self) -> bool:
+        return (
+            self.generation is not None
+            or self.lease is not None
+            or self.in_flight is not None
+            or bool(self.keys)
+        )
+
+
+RECENT_KEYS = 20
+# What a job view reads, with ``?`` for its one parameter (the job), in this order.
+JOB_VIEW_SQL = (
+    "SELECT generation, updated_at FROM fences WHERE job = ?",
+    "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = ?",
+    "SELECT holder, state, expires_at FROM inflight WHERE job = ?",
+    "SELECT route, key, state, generation, status, created_at, expires_at"
+    f" FROM idempotency_keys WHERE job = ? ORDER BY created_at DESC LIMIT {RECENT_KEYS}",
+)
+# Job ids with a fence or a lease: parameters (prefix length, prefix, after) twice, limit.
+JOBS_SQL = (
+    "SELECT job FROM fences WHERE substr(job, 1, ?) = ? AND job > ?"
+    " UNION SELECT job FROM leases WHERE substr(job, 1, ?) = ? AND job > ?"
+    " ORDER BY job LIMIT ?"
+)
+
+
+def job_view(job: str, now: float, fence: Any, lease: Any, inflight: Any, keys: Any) -> JobView:
+    """A :class:`JobView` from the rows of :data:`JOB_VIEW_SQL`."""
+    return JobView(
+        job=job,
+        now=float(now),
+        generation=None if fence is None else int(fence[0]),
+        generation_set_at=None if fence is None else float(fence[1]),
+        lease=lease_record(lease),
+        in_flight=None
+        if inflight is None
+        else (str(inflight[0]), str(inflight[1]), float(inflight[2])),
+        keys=tuple(_key_view(row) for row in keys),
+    )
+
+
+def _key_view(row: Any) -> KeyView:
+    route, key, state, generation, status, created_at, expires_at = row
+    return KeyView(
+        str(route),
+        str(key),
+        str(state),
+        int(generation),
+        None if status is None else int(status),
+        float(created_at),
+        float(expires_at),
+    )
 
 
 class JobLocks:

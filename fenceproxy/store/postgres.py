@@ -38,9 +38,13 @@ from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leasing import Lease
 from ..log import store_log
 from .base import (
+    JOB_VIEW_SQL,
+    JOBS_SQL,
+    JobView,
     LeaseChange,
     Store,
     decide_write,
+    job_view,
     key_not_held,
     key_record,
     key_row,
@@ -115,6 +119,12 @@ _MIGRATION_LOCK = 0x66656E6365
 
 # The database's clock, in seconds since the epoch, unless a test gives its own.
 _NOW = "coalesce($clock::double precision, extract(epoch FROM clock_timestamp())::double precision)"
+
+
+def _numbered(statement: str) -> str:
+    """``?`` placeholders (shared with SQLite) as ``$1``, ``$2``, ..."""
+    parts = statement.split("?")
+    return "".join(f"{part}${n}" for n, part in enumerate(parts[:-1], 1)) + parts[-1]
 
 
 def _sql(statement: str) -> str:
@@ -423,6 +433,25 @@ class PostgresStore(Store):
 
         return await self._run(tx, transaction=False)
 
+    async def inspect(self, job: str) -> JobView:
+        async def tx(conn: _Conn) -> JobView:
+            fence, lease, inflight = [
+                await conn.fetchrow(_numbered(sql), job) for sql in JOB_VIEW_SQL[:3]
+            ]
+            keys = await conn.fetch(_numbered(JOB_VIEW_SQL[3]), job)
+            now = await conn.fetchval(_sql(f"SELECT {_NOW}"), self._clock())
+            return job_view(job, now, fence, lease, inflight, keys)
+
+        return await self._run(tx)
+
+    async def jobs(self, prefix: str, after: str, limit: int) -> list[str]:
+        async def tx(conn: _Conn) -> list[str]:
+            page = (len(prefix), prefix, after)
+            rows = await conn.fetch(_numbered(JOBS_SQL), *page, *page, limit)
+            return [str(row[0]) for row in rows]
+
+        return await self._run(tx, transaction=False)
+
     async def check(self) -> None:
         version = await self._run(_schema_version, transaction=False)
         if version != SCHEMA_VERSION:
@@ -468,11 +497,14 @@ class PostgresStore(Store):
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
                 if not transaction:
                     return await work(conn)
+                started = time.monotonic()
                 try:
                     async with conn.transaction():
-                        return await work(conn)
+                        result = await work(conn)
                 except _Undo as undo:
                     return undo.outcome  # type: ignore[no-any-return]
+                self.on_commit(time.monotonic() - started, 1)
+                return result
         except _DRIVER_ERRORS as exc:
             store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
             raise StoreError(f"PostgreSQL store failed: {type(exc).__name__}: {exc}") from exc

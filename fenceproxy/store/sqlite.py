@@ -43,9 +43,13 @@ from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leasing import Lease
 from ..log import store_log
 from .base import (
+    JOB_VIEW_SQL,
+    JOBS_SQL,
+    JobView,
     LeaseChange,
     Store,
     decide_write,
+    job_view,
     key_not_held,
     key_record,
     key_row,
@@ -323,6 +327,21 @@ class SQLiteStore(Store):
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
+    async def inspect(self, job: str) -> JobView:
+        def op(tx: _Batch) -> JobView:
+            fence, lease, inflight = (tx.one(sql, (job,)) for sql in JOB_VIEW_SQL[:3])
+            keys = tx.conn.execute(JOB_VIEW_SQL[3], (job,)).fetchall()
+            return job_view(job, self._clock(), fence, lease, inflight, keys)
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
+    async def jobs(self, prefix: str, after: str, limit: int) -> list[str]:
+        def op(tx: _Batch) -> list[str]:
+            page = (len(prefix), prefix, after)
+            return [row[0] for row in tx.conn.execute(JOBS_SQL, (*page, *page, limit))]
+
+        return await self._submit(op)  # type: ignore[no-any-return]
+
     async def check(self) -> None:
         def op(tx: _Batch) -> int:
             return int(tx.one("PRAGMA user_version", ())[0])
@@ -413,7 +432,10 @@ class SQLiteStore(Store):
     async def _run_batch(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
         ops = [op for op, _ in batch]
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         results, failure = await loop.run_in_executor(self._thread, self._transaction, ops)
+        if failure is None:
+            self.on_commit(time.monotonic() - started, len(ops))
         if failure is not None:
             # The failing operation's caller gets its error; the others, whose work
             # was undone with it, a StoreError.
