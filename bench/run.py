@@ -191,11 +191,12 @@ http {{
     return config
 
 
-def proxy_config(directory: Path, name: str, upstream: int, store: str) -> Path:
+def proxy_config(directory: Path, name: str, upstream: int, store: str, extra: str = "") -> Path:
     config = directory / f"{name}.yaml"
     config.write_text(f"""
 store: {store}
 admin: false
+{extra}
 routes:
   - name: open
     path: /open/
@@ -321,9 +322,11 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
                 Setup("nginx", [f"http://127.0.0.1:{port}"], one(nginx.pid), one(nginx.pid))
             )
 
-        def proxies(name: str, store: str, count: int = 1) -> tuple[list[int], list[str]]:
+        def proxies(
+            name: str, store: str, count: int = 1, extra: str = ""
+        ) -> tuple[list[int], list[str]]:
             """``count`` proxies on ``store``: their pids and URLs."""
-            config = proxy_config(directory, name, upstream_port, store)
+            config = proxy_config(directory, name, upstream_port, store, extra)
             pids, urls = [], []
             for n in range(count):
                 port = free_port()
@@ -348,7 +351,7 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             command = [sys.executable, "-m", "fenceproxy", "migrate", "-c", str(config)]
             subprocess.run(command, check=True, capture_output=True)
 
-        def sqlite_setup(name: str, load: Load, prefill: int = 0) -> None:
+        def sqlite_setup(name: str, load: Load, prefill: int = 0, extra: str = "") -> None:
             if not wanted(name):
                 return
             path = directory / f"{name}.db"
@@ -356,11 +359,17 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             if prefill:
                 migrate(name, store)
                 prefill_sqlite(path, prefill)
-            pids, urls = proxies(name, store)
+            pids, urls = proxies(name, store, extra=extra)
             result.append(Setup(name, urls, lambda: pids, lambda: pids, load))
 
         sqlite_setup("pass-through", Load(path="/open/x"))
         sqlite_setup("fenced", Load())
+        # Every decision logged, as JSON, to a file: what a decision line costs.
+        sqlite_setup(
+            "logged",
+            Load(),
+            extra="log_format: json\nlog_levels: {fenceproxy.decisions: DEBUG}",
+        )
         sqlite_setup("fenced, 1M jobs", Load(jobs=MILLION), prefill=MILLION)
         sqlite_setup("raising", Load(raise_generation=True))
         sqlite_setup("keys", Load(keys=True))

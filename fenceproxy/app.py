@@ -179,7 +179,7 @@ class FenceProxy:
                 return await self._leases.handle(request, raw)
             return await self._proxy.handle(request, canonical_path(raw))
         except Refusal as refusal:
-            if proxy_log.isEnabledFor(logging.INFO):
+            if not refusal.logged and proxy_log.isEnabledFor(logging.INFO):
                 proxy_log.info(
                     "refused %s %s: %s (%d) %s",
                     request.method,

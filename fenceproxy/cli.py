@@ -24,7 +24,7 @@ from .errors import (
     ListenError,
     StoreError,
 )
-from .log import access_log, server_log
+from .log import JsonFormatter, TextFormatter, access_log, server_log
 from .store import migrate_store
 from .tokens import generate_key
 
@@ -118,9 +118,11 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _serve(config: Config, args: argparse.Namespace) -> None:
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if config.log_format == "json" else TextFormatter())
+    logging.basicConfig(level=args.log_level, handlers=[handler])
+    for name, level in config.log_levels.items():
+        logging.getLogger(name).setLevel(level)
     host, port = parse_listen(config.listen)
     loop, loop_name = _event_loop(args.loop)
 

@@ -102,6 +102,10 @@ def _size(value: Any) -> Any:
 
 Duration = Annotated[float, BeforeValidator(_duration), Field(gt=0, allow_inf_nan=False)]
 Size = Annotated[int, BeforeValidator(_size), Field(ge=0, strict=False)]
+LogLevel = Annotated[
+    Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    BeforeValidator(lambda value: value.upper() if isinstance(value, str) else value),
+]
 OptionalDuration = Annotated[float, BeforeValidator(_duration), Field(ge=0, allow_inf_nan=False)]
 
 
@@ -428,6 +432,10 @@ class Config(_Model):
     trusted_proxies: tuple[str, ...] = ()
     shutdown_timeout: Duration = 30.0
     limits: LimitsSpec = LimitsSpec()
+    log_format: Literal["text", "json"] = "text"
+    """``json``: one JSON object per line, a decision's fields as its members."""
+    log_levels: dict[str, LogLevel] = {}
+    """Levels per logger, such as ``fenceproxy.decisions: DEBUG`` (every decision)."""
     routes: tuple[RouteSpec, ...] = Field(min_length=1)
 
     @field_validator("listen", mode="before")

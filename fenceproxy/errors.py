@@ -192,6 +192,8 @@ class Refusal(FenceProxyError):
     title: ClassVar[str]
     challenge: ClassVar[str | None] = None
     """For a 401: the ``WWW-Authenticate`` value sent with it."""
+    logged = False
+    """Set once a line has told of it (a fenced decision's), so it is not told twice."""
 
     def __init__(self, detail: str, *, retry_after: float | None = None, **extensions: Any) -> None:
         super().__init__(detail)

@@ -35,6 +35,7 @@ Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, TypeVar
@@ -73,7 +74,7 @@ from .fencing import (
     single_field,
 )
 from .http1 import UpstreamResponse
-from .log import proxy_log
+from .log import decision_log, proxy_log
 from .metrics import Metrics
 from .routes import Route, Router
 from .store import Store
@@ -164,13 +165,24 @@ class Proxy:
             ]
         )
         if fence.fences(request.method) or (override is not None and fence.fences(override)):
+            seen = _Seen()
+            started = time.monotonic()
             try:
-                response = await self._fenced(request, route, target, path_job, override, aliases)
+                response = await self._fenced(
+                    request, route, target, path_job, override, aliases, seen
+                )
             except Refusal as refusal:
                 self._metrics.decided(route.name, refusal.slug)
+                if decision_log.isEnabledFor(logging.INFO):
+                    refusal.logged = True
+                    _log_decision(logging.INFO, route, seen, refusal.slug, refusal.status,
+                                  started, refusal)  # fmt: skip
                 raise
             replayed = hdrs.IDEMPOTENT_REPLAYED in response.headers
-            self._metrics.decided(route.name, "replayed" if replayed else "forwarded")
+            decision = "replayed" if replayed else "forwarded"
+            self._metrics.decided(route.name, decision)
+            if decision_log.isEnabledFor(logging.DEBUG):
+                _log_decision(logging.DEBUG, route, seen, decision, response.status, started)
             return response
         return await self._pass_through(request, route, target)
 
@@ -227,6 +239,7 @@ class Proxy:
         path_job: str | None,
         override: str | None,
         aliases: list[tuple[str, str]],
+        seen: _Seen,
     ) -> web.StreamResponse:
         fence = route.fence
         assert fence is not None
@@ -249,16 +262,16 @@ class Proxy:
                 f"a fenced {request.method} needs the header(s) {', '.join(missing)}",
                 missing=missing,
             )
-        job = parse_job(raw_job, job_source)
+        job = seen.job = parse_job(raw_job, job_source)
         if fence.job_in_path and header_job is not None and header_job != job:
             raise FencingHeaderMalformed(
                 f"{fence.job_header} names another job than the path does",
                 header=str(fence.job_header),
             )
-        generation = read_token(
+        generation = seen.generation = read_token(
             raw_token, str(fence.token_header), job, self._signing, signed_only=fence.signed_only
         )
-        key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
+        key = seen.key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
         held = await self._bodies.read(request, route.max_body)
@@ -505,6 +518,49 @@ class Proxy:
         if outcome == "unknown":
             return self._store.mark_unknown(write)
         return self._store.forget_key(write)
+
+
+class _Seen:
+    """What a fenced write's headers said, as far as they were read: for its log line."""
+
+    __slots__ = ("generation", "job", "key")
+
+    def __init__(self) -> None:
+        self.job: str | None = None
+        self.generation: int | None = None
+        self.key: str | None = None
+
+
+def _log_decision(
+    level: int,
+    route: Route,
+    seen: _Seen,
+    decision: str,
+    status: int,
+    started: float,
+    refusal: Refusal | None = None,
+) -> None:
+    """One line for a fenced decision. Values come validated (the job, the generation,
+    the key), never the token, a header or the body."""
+    current = None if refusal is None else refusal.extensions.get("current_generation")
+    decision_log.log(
+        level,
+        "%s",
+        decision,
+        extra={
+            "fields": {
+                "route": route.name,
+                "job": seen.job,
+                "generation": seen.generation,
+                "current_generation": current,
+                "key": seen.key,
+                "decision": decision,
+                "status": status,
+                "replayed": decision == "replayed",
+                "ms": round((time.monotonic() - started) * 1000, 3),
+            }
+        },
+    )
 
 
 def _in_flight_for(route: Route) -> float:

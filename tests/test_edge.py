@@ -335,7 +335,7 @@ async def test_a_client_that_leaves_mid_body_is_one_log_line(
         await proxy.stop()
     assert "Traceback" not in log
     assert " 500 " not in log
-    assert log.count("client-closed-request") == 1
+    assert sum("client-closed-request" in line for line in log.splitlines()) == 1  # one line
     assert upstream.received == []
 
 
