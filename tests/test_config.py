@@ -24,6 +24,8 @@ from fenceproxy.config import (
 )
 from fenceproxy.errors import ConfigError
 
+from .postgres import PostgresServer
+
 MINIMAL = """\
 listen: 127.0.0.1:8080
 store: sqlite:///fenceproxy.db
@@ -666,3 +668,29 @@ def test_serve_that_cannot_start_says_what_and_where_in_one_line_and_exits_2(
     assert f"fenceproxy: cannot start: {said.format(port=port)}" in err
     assert "Traceback" not in err
     assert "fenceproxy on http" not in err  # it never said it was serving
+
+
+@pytest.mark.parametrize(
+    ("store", "said"),
+    [
+        ("sqlite:////nowhere/fences.db", "store: SQLite store '/nowhere/fences.db': its folder"),
+        ("postgresql://u@127.0.0.1:9/x", "store: cannot connect to the PostgreSQL store"),
+    ],
+    ids=["sqlite-folder-missing", "postgres-unreachable"],
+)
+def test_check_config_checks_the_store_without_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], store: str, said: str
+) -> None:
+    path = write(tmp_path, f"store: {store}\n" + one_route())
+    assert cli.main(["check-config", "-c", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"fenceproxy: {path}: {said}" in err
+    assert "Traceback" not in err
+
+
+def test_check_config_passes_a_migrated_postgres_database(
+    tmp_path: Path, postgres: PostgresServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, f"store: {postgres.url('fenceproxy')}\n" + one_route())
+    assert cli.main(["check-config", "-c", str(path)]) == 0
+    assert "OK, 1 route(s)" in capsys.readouterr().out

@@ -11,9 +11,17 @@ from ..config import StoreURL, parse_store_url
 from ..errors import StoreError
 from .base import JobLocks, Store
 from .postgres import PostgresStore
-from .sqlite import SQLiteStore
+from .sqlite import SQLiteStore, folder_problem
 
-__all__ = ["JobLocks", "PostgresStore", "SQLiteStore", "Store", "migrate_store", "open_store"]
+__all__ = [
+    "JobLocks",
+    "PostgresStore",
+    "SQLiteStore",
+    "Store",
+    "check_store",
+    "migrate_store",
+    "open_store",
+]
 
 
 async def open_store(
@@ -41,6 +49,21 @@ async def open_store(
         key_ttl=key_ttl,
         clock=clock,
     )
+
+
+async def check_store(url: str | StoreURL) -> None:
+    """StoreError unless a proxy could open this store now, without touching it: a
+    SQLite file's folder exists and is writable (the file itself may be held by a
+    running proxy); a PostgreSQL database answers, at this build's schema."""
+    parsed = parse_store_url(url) if isinstance(url, str) else url
+    if parsed.backend == "postgresql":
+        store = await PostgresStore.open(
+            parsed.dsn, pool_size=1, password=_password(parsed), key_ttl=60.0
+        )
+        await store.close()
+        return
+    if (why := folder_problem(parsed.path)) is not None:
+        raise StoreError(f"SQLite store {parsed.path!r}: {why}")
 
 
 async def migrate_store(url: str | StoreURL) -> tuple[int, int]:

@@ -628,11 +628,15 @@ def _raise_opening_error(path: str | Path, exc: BaseException) -> NoReturn:
         raise StoreLocked(
             f"SQLite store {str(path)!r} is in use by another process; one proxy per SQLite file"
         ) from exc
+    why = folder_problem(path) or str(exc)
+    raise StoreError(f"cannot open SQLite store {str(path)!r}: {why}") from exc
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """Why a SQLite file could not be created at ``path``, if its folder says why."""
     folder = Path(path).parent
     if not folder.is_dir():
-        why = f"its folder {str(folder)!r} does not exist"
-    elif not os.access(folder, os.W_OK):
-        why = f"its folder {str(folder)!r} is not writable"
-    else:
-        why = str(exc)
-    raise StoreError(f"cannot open SQLite store {str(path)!r}: {why}") from exc
+        return f"its folder {str(folder)!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"its folder {str(folder)!r} is not writable"
+    return None
