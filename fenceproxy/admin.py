@@ -62,10 +62,7 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
 
     async def job(request: web.Request) -> web.Response:
         job_id = parse_job(request.match_info["job"], "path")
-        try:
-            view = await store().inspect(job_id)
-        except StoreError as exc:
-            return problem_response(StoreUnavailable(f"the store could not be read: {exc}"))
+        view = await store().inspect(job_id)
         if not view.known:
             return problem_response(NoRoute(f"the store holds nothing of job {job_id!r}"))
         return web.json_response(_job_json(view))
@@ -80,10 +77,7 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
             return problem_response(
                 RequestMalformed(f"limit must be a whole number from 1 to {_MAX_PAGE}")
             )
-        try:
-            found = await store().jobs(query.get("prefix", ""), query.get("after", ""), limit)
-        except StoreError as exc:
-            return problem_response(StoreUnavailable(f"the store could not be read: {exc}"))
+        found = await store().jobs(query.get("prefix", ""), query.get("after", ""), limit)
         return web.json_response(
             {"jobs": found, "next": found[-1] if len(found) == limit else None}
         )
@@ -101,6 +95,8 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
             response: web.StreamResponse = await handler(request)
         except Refusal as refusal:  # a job id that is not one, say
             return problem_response(refusal)
+        except StoreError as exc:
+            return problem_response(StoreUnavailable(f"the store could not be read: {exc}"))
         return response
 
     app = web.Application(middlewares=[refusals])

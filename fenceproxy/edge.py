@@ -70,6 +70,7 @@ __all__ = [
     "HeldBody",
     "ProxyServer",
     "RefusedRequest",
+    "check_body_size",
     "connection_cap",
     "log_accept_errors",
     "problem_response",
@@ -90,10 +91,15 @@ def problem_response(refusal: Refusal) -> web.Response:
         content_type=PROBLEM_JSON,
     )
     if refusal.retry_after is not None:
-        response.headers["Retry-After"] = str(max(1, round(refusal.retry_after + 0.499)))
+        response.headers["Retry-After"] = _retry_after(refusal.retry_after)
     if refusal.challenge is not None:
         response.headers["WWW-Authenticate"] = refusal.challenge
     return response
+
+
+def _retry_after(seconds: float) -> str:
+    """Whole seconds, rounded up, at least one."""
+    return str(max(1, round(seconds + 0.499)))
 
 
 def _reason(status: int) -> str:
@@ -109,7 +115,11 @@ def _raw_problem(refusal: Refusal) -> bytes:
     head = (
         f"HTTP/1.1 {refusal.status} {_reason(refusal.status)}\r\n"
         f"Content-Type: {PROBLEM_JSON}\r\nContent-Length: {len(body)}\r\n"
-        + (f"Retry-After: {max(1, round(refusal.retry_after))}\r\n" if refusal.retry_after else "")
+        + (
+            f"Retry-After: {_retry_after(refusal.retry_after)}\r\n"
+            if refusal.retry_after is not None
+            else ""
+        )
         + "Connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
@@ -158,7 +168,7 @@ class Bodies:
         if content.is_eof() and content.exception() is None:
             # Arrived whole with the request head, as a small body does: no loop.
             whole = content.read_nowait()
-            _check_size(len(whole), limit)
+            check_body_size(len(whole), limit)
             self._take(len(whole))
             return HeldBody(whole, self)
         # Kept as the pieces that came, joined once whole: a buffer grown piece by
@@ -167,7 +177,7 @@ class Bodies:
         size = 0
         try:
             async for chunk in self._chunks(content):
-                _check_size(size + len(chunk), limit)
+                check_body_size(size + len(chunk), limit)
                 self._take(len(chunk))
                 pieces.append(chunk)
                 size += len(chunk)
@@ -182,7 +192,7 @@ class Bodies:
         seen = 0
         async for chunk in self._chunks(request.content):
             seen += len(chunk)
-            _check_size(seen, limit)
+            check_body_size(seen, limit)
             yield chunk
 
     async def _chunks(self, content: StreamReader) -> AsyncIterator[bytes]:
@@ -237,7 +247,8 @@ class HeldBody:
             self._bodies = None
 
 
-def _check_size(size: int, limit: int) -> None:
+def check_body_size(size: int, limit: int) -> None:
+    """BodyTooLarge when ``size`` bytes are above ``limit``."""
     if size > limit:
         raise BodyTooLarge(f"the body is larger than the limit of {limit} bytes", max_body=limit)
 

@@ -44,9 +44,8 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from . import hdrs
-from .edge import Bodies, HeldBody
+from .edge import Bodies, HeldBody, check_body_size
 from .errors import (
-    BodyTooLarge,
     FencingHeaderMalformed,
     FencingHeaderMissing,
     JobQuarantined,
@@ -598,11 +597,8 @@ def _record(fp: bytes, outcome: _Outcome) -> KeyRecord:
 
 def _check_length(request: web.BaseRequest, route: Route) -> None:
     length = request.content_length
-    if length is not None and length > route.max_body:
-        raise BodyTooLarge(
-            f"the body is larger than the limit of {route.max_body} bytes",
-            max_body=route.max_body,
-        )
+    if length is not None:
+        check_body_size(length, route.max_body)
 
 
 def _waited_too_long(write: FencedWrite, *, retry_after: float) -> JobQuarantined:
