@@ -104,7 +104,7 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/jobs", jobs)
-    app.router.add_get("/jobs/{job}", job)
+    app.router.add_get("/jobs/{job:.+}", job)
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
 

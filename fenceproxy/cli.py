@@ -1,4 +1,5 @@
-"""The command line: ``fenceproxy serve | check-config | migrate | demo | lease | chaos``."""
+"""The command line: ``fenceproxy serve | check-config | migrate | demo | keys | lease |
+jobs | chaos``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .errors import (
     ListenError,
     StoreError,
 )
+from .jobs_cli import add_jobs_parser, run_jobs
 from .log import JsonFormatter, TextFormatter, access_log, server_log
 from .store import check_store, migrate_store
 from .tokens import generate_key
@@ -112,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     lease.add_argument("--token-file", metavar="FILE", help="a file holding the credential")
     lease.add_argument("--generation", type=int, help="the lease's generation (renew, ...)")
     lease.add_argument("--ttl", type=float, help="seconds (claim, renew)")
+    add_jobs_parser(commands)
     return parser
 
 
@@ -218,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "lease":
         return asyncio.run(_lease(parser, args, _lease_token(parser, args)))
+    if args.command == "jobs":
+        return run_jobs(parser, args)
     try:
         config = _load(args)
         if args.command == "check-config":

@@ -6,6 +6,7 @@ and a real process with its admin listener on an address of its own."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,80 @@ async def test_jobs_are_listed_by_prefix_a_page_at_a_time(proxy: Client, admin: 
 async def test_an_unknown_or_malformed_job_is_a_problem_not_a_500(admin: Client) -> None:
     await problem(await admin.get("/jobs/nobody"), 404, "no-route")
     await problem(await admin.get("/jobs/%01"), 400, "fencing-header-malformed")
+
+
+async def test_a_job_id_with_slashes_is_shown(proxy: Client, admin: Client) -> None:
+    assert (await fenced(proxy, "orders/42/ship", 3)).status == 200
+    shown = await (await admin.get("/jobs/orders/42/ship")).json()
+    assert (shown["job"], shown["generation"]) == ("orders/42/ship", 3)
+    encoded = await (await admin.get("/jobs/orders%2F42%2Fship")).json()
+    assert encoded["job"] == "orders/42/ship"
+
+
+async def jobs_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``fenceproxy jobs ...`` as an operator runs it, in a thread (it runs a loop of
+    its own) against the admin listener on loopback."""
+    code = await asyncio.to_thread(cli.main, ["jobs", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_jobs_show_prints_a_job_for_a_person_or_as_json(
+    proxy: Client, admin: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    claim = await proxy.post("/_leases/orders%2F7/claim", json={"owner": "w1", "ttl": 30})
+    generation = (await claim.json())["generation"]
+    assert (await fenced(proxy, "orders/7", generation, key="k-1")).status == 200
+    url = str(admin.make_url("")).rstrip("/")
+
+    code, out, _ = await jobs_cli(capsys, "show", "orders/7", "--admin", url)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["job", "orders/7"]
+    assert lines[1].startswith(f"generation  {generation}, set ")
+    assert lines[2].startswith(f"lease       w1, generation {generation}, held, live, ")
+    assert lines[3] == "in flight   nothing"
+    assert lines[4] == "keys        1"
+    assert lines[5].split()[:8] == [
+        "k-1", "completed", "route", "billing", "generation", str(generation), "status", "200",
+    ]  # fmt: skip
+
+    code, out, _ = await jobs_cli(capsys, "show", "orders/7", "--admin", url, "--json")
+    assert code == 0
+    printed = json.loads(out)
+    assert (printed["job"], printed["generation"]) == ("orders/7", generation)
+    assert [k["key"] for k in printed["keys"]] == ["k-1"]
+
+
+async def test_jobs_list_pages_and_show_of_an_unknown_job_is_refused(
+    proxy: Client, admin: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for job in ("a-1", "a-2", "a-3", "b-1"):
+        assert (await fenced(proxy, job, 1)).status == 200
+    url = str(admin.make_url("")).rstrip("/")
+
+    code, out, err = await jobs_cli(
+        capsys, "list", "--prefix", "a-", "--limit", "2", "--admin", url
+    )
+    assert (code, out.split(), err.strip()) == (0, ["a-1", "a-2"], "(more: --after a-2)")
+    code, out, _ = await jobs_cli(capsys, "list", "--prefix", "a-", "--after", "a-2", "--admin",
+                                  url, "--json")  # fmt: skip
+    assert (code, json.loads(out)) == (0, {"jobs": ["a-3"], "next": None})
+
+    code, out, _ = await jobs_cli(capsys, "show", "nobody", "--admin", url)
+    assert code == 1
+    assert json.loads(out)["type"] == "urn:fenceproxy:problem:no-route"
+
+
+async def test_jobs_cli_says_when_the_admin_listener_cannot_be_reached(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out, err = await jobs_cli(capsys, "list", "--admin", url)
+    assert (code, out) == (3, "")
+    assert err.startswith(f"fenceproxy: cannot ask {url}: ")
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["jobs", "show", "x", "--admin", "127.0.0.1:9901"])
+    assert usage.value.code == 2
+    assert "give a URL" in capsys.readouterr().err
