@@ -35,11 +35,11 @@ from .edge import (
     log_accept_errors,
     problem_response,
 )
-from .errors import ListenError, Refusal
+from .errors import ConfigError, ListenError, Refusal
 from .lease_api import LeaseService
-from .log import proxy_log, server_log
+from .log import configure_logging, proxy_log, server_log
 from .metrics import Metrics
-from .proxy import Proxy
+from .proxy import Proxy, ProxySettings
 from .routes import Router
 from .store import Store, open_store
 from .target import canonical_path
@@ -50,6 +50,8 @@ __all__ = ["FenceProxy", "serve"]
 # Limits of the request head; a request beyond them is refused by the server with 4xx.
 _SERVER_LIMITS: dict[str, Any] = {"max_headers": 100}
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# What a reload cannot change: where it listens, what it keeps its state in.
+_RESTART_ONLY = ("listen", "admin", "store", "shutdown_timeout")
 
 
 class FenceProxy:
@@ -69,29 +71,88 @@ class FenceProxy:
         store: Store | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.config = config
         self._given_store = store
         self._clock = clock
-        self._router = Router(config.routes)
-        self._keys = signing_keys(config.signing, "config")
         self._bodies = Bodies(config.limits.max_buffered, config.limits.body_timeout)
         self.metrics = Metrics()
         """What this proxy counts, served by the admin listener (:mod:`fenceproxy.admin`)."""
-        self._leases = (
+        self._store: Store | None = None
+        self._proxy: Proxy | None = None
+        self._upstreams: UpstreamPool | None = None
+        self._server: ProxyServer | None = None
+        self._take(config)
+
+    def reconfigure(self, config: Config) -> list[str]:
+        """Serve ``config`` from the next request on (a reload), without dropping one
+        in flight: each finishes under the route and settings it started with.
+        Routes, fencing, timeouts, limits, signing keys and lease credentials change;
+        what changes only with a restart (the addresses, the store and its key
+        lifetime, the shutdown timeout) is kept as it runs, and named in the list
+        returned. Raises ConfigError, with nothing changed, when a secret cannot be
+        read."""
+        running = self.config
+        changed = [n for n in _RESTART_ONLY if getattr(config, n) != getattr(running, n)]
+        kept = {name: getattr(running, name) for name in changed}
+        if config.idempotency.ttl != running.idempotency.ttl:
+            changed.append("idempotency.ttl")
+            kept["idempotency"] = config.idempotency.model_copy(
+                update={"ttl": running.idempotency.ttl}
+            )
+        self._take(config.model_copy(update=kept))
+        return changed
+
+    def _take(self, config: Config) -> None:
+        # Everything that can fail first; then nothing but assignments.
+        router = Router(config.routes)
+        keys = signing_keys(config.signing, "config")
+        leases = (
             LeaseService(
                 config.leases,
                 self._bodies,
                 self.metrics,
-                self._keys,
+                keys,
                 lease_credentials(config.leases, "config"),
             )
             if config.leases is not None
             else None
         )
+        self.config = config
+        self._router = router
+        self._keys = keys
+        self._leases = leases
         self._lease_prefix = config.leases.prefix if config.leases is not None else None
-        self._store: Store | None = None
-        self._proxy: Proxy | None = None
-        self._upstreams: UpstreamPool | None = None
+        self._bodies.cap = config.limits.max_buffered
+        self._bodies.timeout = config.limits.body_timeout
+        if self._store is not None:
+            self._bind(self._store)
+        if self._server is not None:
+            self._server.reconfigure(config.limits)
+
+    def _bind(self, store: Store) -> None:
+        """Put the open store to work under the current settings."""
+        config = self.config
+        if self._leases is not None:
+            self._leases.store = store
+        settings = ProxySettings(
+            trusted=TrustedProxies(config.trusted_proxies),
+            max_stored_response=config.idempotency.max_response,
+            send_timeout=config.limits.send_timeout,
+            keys=self._keys,
+        )
+        if self._proxy is None:
+            self._upstreams = UpstreamPool(self._router, self.metrics)
+            self._proxy = Proxy(
+                self._router,
+                settings,
+                store,
+                self._upstreams,
+                bodies=self._bodies,
+                metrics=self.metrics,
+            )
+        else:
+            assert self._upstreams is not None
+            self._upstreams.update(self._router)
+            self._proxy.reconfigure(self._router, settings)
 
     @property
     def store(self) -> Store:
@@ -114,20 +175,7 @@ class FenceProxy:
             parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=self._clock
         )
         self._store.on_commit = self.metrics.committed
-        if self._leases is not None:
-            self._leases.store = self._store
-        self._upstreams = UpstreamPool(self._router, self.metrics)
-        self._proxy = Proxy(
-            self._router,
-            self._store,
-            self._upstreams,
-            trusted=TrustedProxies(config.trusted_proxies),
-            max_stored_response=config.idempotency.max_response,
-            bodies=self._bodies,
-            send_timeout=config.limits.send_timeout,
-            metrics=self.metrics,
-            keys=self._keys,
-        )
+        self._bind(self._store)
         return self
 
     async def __aexit__(
@@ -150,7 +198,7 @@ class FenceProxy:
         ``access_log``)."""
         # auto_decompress off: a compressed request body is forwarded as it came, with
         # its Content-Encoding, never decoded on the way.
-        server = ProxyServer(
+        server = self._server = ProxyServer(
             self.handle, self.config.limits, auto_decompress=False, **_SERVER_LIMITS, **kwargs
         )
         self.metrics.watch(
@@ -241,11 +289,15 @@ async def serve(
     *,
     access_log: logging.Logger | None = None,
     ready: Callable[[], object] = lambda: None,
+    reload: tuple[str, Callable[[], Config]] | None = None,
 ) -> None:
     """Run the proxy of ``config`` until SIGINT or SIGTERM, then stop taking new
     connections, let requests in flight finish for up to ``shutdown_timeout``, and
     close the store. ``ready`` is called once it listens. Raises StoreError when the
-    store cannot be opened, ListenError when the address cannot be listened on."""
+    store cannot be opened, ListenError when the address cannot be listened on.
+
+    With ``reload`` (the config file's name, and what reads it again), SIGHUP
+    reloads the config (:func:`_reload`)."""
     host = parse_listen(config.listen)[0]
     if config.leases is not None and not config.leases.clients and not _loopback(host):
         server_log.warning(
@@ -257,6 +309,9 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    serving: list[FenceProxy] = []  # the proxy, once it serves
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, _reload, serving, *reload)
     log_accept_errors(loop)
     _return_freed_memory()
     max_connections = _connection_cap(config.limits.max_connections)
@@ -274,10 +329,48 @@ async def serve(
             if config.admin is not None:
                 await _listen(admin, config.admin)
             ready()
+            serving.append(proxy)
             await stop.wait()
         finally:
             await admin.cleanup()
             await runner.cleanup()
+
+
+def _reload(serving: list[FenceProxy], source: str, read: Callable[[], Config]) -> None:
+    """Read the config again and serve it from the next request on; one line says
+    what happened. A config that is not valid is refused whole, naming its file and
+    key, and the running one stays."""
+    if not serving:
+        server_log.warning("reload of %s ignored: the proxy is still starting", source)
+        return
+    proxy = serving[0]
+    try:
+        restart = proxy.reconfigure(read())
+    except ConfigError as exc:
+        server_log.error("reload refused, the running config stays: %s", "; ".join(exc.lines))
+        return
+    config = proxy.config
+    configure_logging(config.log_format, config.log_levels)
+    if restart:
+        server_log.warning(
+            "reloaded %s: %d route(s); not changed until a restart: %s",
+            source,
+            len(config.routes),
+            ", ".join(f"{name} (still {_setting(config, name)})" for name in restart),
+        )
+    else:
+        server_log.info("reloaded %s: %d route(s)", source, len(config.routes))
+
+
+def _setting(config: Config, name: str) -> str:
+    value: Any = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    if name == "store":
+        return parse_store_url(value).describe()
+    if isinstance(value, float):  # a duration
+        return f"{value:g}s"
+    return "off" if value is None else str(value)
 
 
 async def _listen(runner: web.BaseRunner, address: str) -> None:

@@ -26,7 +26,7 @@ from .errors import (
     StoreError,
 )
 from .jobs_cli import add_jobs_parser, run_jobs
-from .log import JsonFormatter, TextFormatter, access_log, server_log
+from .log import access_log, configure_logging, server_log
 from .store import check_store, migrate_store
 from .tokens import generate_key
 
@@ -40,7 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the proxy")
+    serve = commands.add_parser(
+        "serve",
+        help="run the proxy",
+        description="Run the proxy until SIGINT or SIGTERM (which let requests in flight "
+        "finish). SIGHUP reloads the config file: routes, timeouts, limits and log "
+        "settings change for the next request; a file that is not valid is refused and "
+        "the running config stays.",
+    )
     serve.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
     serve.add_argument("--listen", metavar="HOST:PORT", help="override the file's listen")
     serve.add_argument("--store", metavar="URL", help="override the file's store")
@@ -128,11 +135,8 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _serve(config: Config, args: argparse.Namespace) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if config.log_format == "json" else TextFormatter())
-    logging.basicConfig(level=args.log_level, handlers=[handler])
-    for name, level in config.log_levels.items():
-        logging.getLogger(name).setLevel(level)
+    logging.basicConfig(level=args.log_level, handlers=[logging.StreamHandler()])
+    configure_logging(config.log_format, config.log_levels)
     host, port = parse_listen(config.listen)
     loop, loop_name = _event_loop(args.loop)
 
@@ -148,7 +152,12 @@ def _serve(config: Config, args: argparse.Namespace) -> None:
 
     with asyncio.Runner(loop_factory=loop) as runner:
         runner.run(
-            serve(config, access_log=access_log if args.access_log else None, ready=listening)
+            serve(
+                config,
+                access_log=access_log if args.access_log else None,
+                ready=listening,
+                reload=(args.config, lambda: _load(args)),
+            )
         )
 
 

@@ -292,7 +292,7 @@ class ProxyServer(web.Server):
         max_connections: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(handler, keepalive_timeout=limits.keepalive_timeout, **kwargs)
+        super().__init__(handler, **kwargs)
         self.limits = limits
         self.max_connections = max_connections or connection_cap(limits.max_connections)
         # Every open connection, least recently active first.
@@ -300,8 +300,17 @@ class ProxyServer(web.Server):
         self.log = _Every()
         """Rate-limited lines about the door."""
 
+    def reconfigure(self, limits: LimitsSpec) -> None:
+        """Hold every connection to ``limits`` from now on (a reload): a new connection
+        gets the new keep-alive timeout, a new request head the new deadline, and
+        the cap applies at the next connection."""
+        self.limits = limits
+        self.max_connections = connection_cap(limits.max_connections)
+
     def __call__(self) -> ClientConnection:
-        return ClientConnection(self, loop=self._loop, **self._kwargs)
+        return ClientConnection(
+            self, loop=self._loop, keepalive_timeout=self.limits.keepalive_timeout, **self._kwargs
+        )
 
     def _make_request(
         self,

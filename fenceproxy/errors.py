@@ -137,8 +137,11 @@ class ConfigError(FenceProxyError):
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
         self.problems = problems
-        lines = [f"{source}: {key}: {msg}" if key else f"{source}: {msg}" for key, msg in problems]
-        super().__init__("\n".join(lines))
+        self.lines = [
+            f"{source}: {key}: {msg}" if key else f"{source}: {msg}" for key, msg in problems
+        ]
+        """One line per problem, each naming the file."""
+        super().__init__("\n".join(self.lines))
 
 
 class ListenError(FenceProxyError):

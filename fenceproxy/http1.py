@@ -151,6 +151,9 @@ class Origin:
         self._idle: deque[tuple[ResponseHandler, float]] = deque()
         self.opened = 0
         """Connections opened so far; how tests see that one was reused."""
+        self.retired = False
+        """No route names it since a reload: requests already bound to it finish,
+        and each connection is closed as it comes back."""
 
     @property
     def idle(self) -> int:
@@ -222,7 +225,12 @@ class Origin:
     def put(self, conn: ResponseHandler) -> None:
         """Keep a connection whose last answer was read to its end, if both sides may
         go on with it."""
-        if conn.should_close or not conn.is_connected() or len(self._idle) >= _IDLE_MAX:
+        if (
+            self.retired
+            or conn.should_close
+            or not conn.is_connected()
+            or len(self._idle) >= _IDLE_MAX
+        ):
             conn.close()
             return
         self._idle.append((conn, time.monotonic()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,6 +12,7 @@ __all__ = [
     "JsonFormatter",
     "TextFormatter",
     "access_log",
+    "configure_logging",
     "decision_log",
     "lease_log",
     "proxy_log",
@@ -70,3 +72,21 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)
+
+
+_leveled: set[str] = set()  # the loggers whose level the config set
+
+
+def configure_logging(log_format: str, levels: Mapping[str, str]) -> None:
+    """Format the root logger's lines as ``log_format`` says (``text`` or ``json``)
+    and set each named logger's level; a logger an earlier call set and this one
+    does not goes back to its parent's level (a reload that drops it)."""
+    formatter = JsonFormatter() if log_format == "json" else TextFormatter()
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
+    for name in _leveled - levels.keys():
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    _leveled.clear()
+    _leveled.update(levels)

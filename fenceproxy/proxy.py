@@ -38,6 +38,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from aiohttp import web
@@ -86,7 +87,7 @@ from .upstream import (
     response_headers,
 )
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "ProxySettings"]
 
 T = TypeVar("T")
 # What became of an admitted keyed write: the upstream's answer, or one of these.
@@ -103,33 +104,39 @@ _BUSY_POLL_MAX = 0.05
 _Slot = tuple[str, str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What the config says of every route's requests, beyond the routes."""
+
+    trusted: TrustedProxies
+    """Peers whose X-Forwarded-* headers are believed."""
+    max_stored_response: int
+    """The largest answer kept with its idempotency key, to be replayed."""
+    send_timeout: float
+    """How long a client may take to read the next part of a streamed answer."""
+    keys: SigningKeys | None = None
+    """The keys that verify signed fencing tokens."""
+
+
 class Proxy:
     """The handler for every proxied request."""
 
     def __init__(
         self,
         router: Router,
+        settings: ProxySettings,
         store: Store,
         upstreams: UpstreamPool,
         *,
-        trusted: TrustedProxies,
-        max_stored_response: int,
         bodies: Bodies,
-        send_timeout: float,
         metrics: Metrics,
-        keys: SigningKeys | None = None,
     ) -> None:
-        """``send_timeout`` bounds each wait for a client to take the next part of a
-        streamed answer; every fenced write's outcome is counted in ``metrics``."""
-        self._router = router
+        """Every fenced write's outcome is counted in ``metrics``."""
         self._metrics = metrics
         self._bodies = bodies
-        self._send_timeout = send_timeout
         self._store = store
         self._upstreams = upstreams
-        self._trusted = trusted
-        self._max_stored = max_stored_response
-        self._signing = keys
+        self.reconfigure(router, settings)
         # Keyed writes of this process from arrival until the store has their final
         # state: a duplicate is answered at once rather than queued behind the
         # original, and a state the store could not take yet is still honoured.
@@ -137,6 +144,16 @@ class Proxy:
         # proxy, and another proxy reading a key this one could not settle refuses it.
         self._keys: dict[_Slot, KeyRecord] = {}
         self._background: set[asyncio.Task[None]] = set()
+
+    def reconfigure(self, router: Router, settings: ProxySettings) -> None:
+        """Take a reloaded config's routes and settings for every request from now on.
+        A request already routed finishes under the route it matched; the keyed
+        writes in flight stay known, whatever the config says now."""
+        self._router = router
+        self._trusted = settings.trusted
+        self._max_stored = settings.max_stored_response
+        self._send_timeout = settings.send_timeout
+        self._signing = settings.keys
 
     async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         """Forward ``request``, whose canonical path is ``path``, or raise a Refusal."""

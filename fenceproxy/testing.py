@@ -368,9 +368,10 @@ class ProxyProcess:
         self.process.send_signal(signum)
 
     def output(self) -> str:
-        """Everything it printed so far."""
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")
+        """Everything it printed so far. Read at an offset: the child shares the
+        file's position, and moving it would have the child write over its own lines."""
+        fd = self._log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
 
     async def wait(self, within: float = 30.0) -> int:
         """Wait for it to exit; its exit code."""

@@ -158,15 +158,30 @@ def _append_via(headers: CIMultiDict[str], version: Any) -> None:
 
 
 class UpstreamPool:
-    """The connection pool of each upstream origin the routes name, made at start-up."""
+    """The connection pool of each upstream origin the routes name."""
 
     def __init__(self, routes: Iterable[Route], metrics: Metrics | None = None) -> None:
         """``metrics`` records each answer's latency, by route and status class."""
         self._metrics = metrics
         self._origins: dict[URL, Origin] = {}
+        self.update(routes)
+
+    def update(self, routes: Iterable[Route]) -> None:
+        """Serve ``routes`` from now on (a reload): an origin they still name keeps its
+        connections; one they no longer name is retired, and a request already
+        routed to it still gets it."""
+        origins: dict[URL, Origin] = {}
         for route in routes:
-            if route.upstream not in self._origins:
-                self._origins[route.upstream] = Origin(route.upstream)
+            if route.upstream not in origins:
+                origin = self._origins.get(route.upstream) or Origin(route.upstream)
+                origin.retired = False
+                origins[route.upstream] = origin
+        for url, origin in self._origins.items():
+            if url not in origins:
+                origin.retired = True
+                origin.close()  # its idle connections; busy ones close as they return
+                origins.setdefault(url, origin)
+        self._origins = origins
 
     def origin(self, route: Route) -> Origin:
         return self._origins[route.upstream]

@@ -14,9 +14,12 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
+from fenceproxy.config import RouteSpec
 from fenceproxy.errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
 from fenceproxy.http1 import Origin
+from fenceproxy.routes import Route
 from fenceproxy.testing import RawRequest, free_port
+from fenceproxy.upstream import UpstreamPool
 
 from .conftest import ProxyFactory, raw_request
 
@@ -102,6 +105,34 @@ async def test_a_connection_is_reused_after_a_complete_answer() -> None:
             assert await post(origin) == (200, b"{}")
         assert (upstream.connections, origin.opened, origin.idle) == (1, 1, 1)
         origin.close()
+
+
+async def test_a_reload_retires_an_origin_no_route_names_and_keeps_the_others() -> None:
+    async with scripted(always(OK)) as kept, scripted(always(OK)) as dropped:
+        a, b = (
+            Route.compile(RouteSpec(name=n, path=f"/{n}/", upstream=up.url))
+            for n, up in (("a", kept), ("b", dropped))
+        )
+        pool = UpstreamPool([a, b])
+        for route in (a, b):
+            (await pool.send(route, "GET", "/", CIMultiDict(), None)).release()
+        old_a, old_b = pool.origin(a), pool.origin(b)
+        assert (old_a.idle, old_b.idle) == (1, 1)
+        pool.update([a])
+        # The kept origin keeps its warm connection; the dropped one closes its idle
+        # one now, still serves a request routed before the reload, and closes the
+        # connection it used once the answer is in.
+        assert pool.origin(a) is old_a
+        assert old_a.idle == 1
+        assert old_b.retired
+        assert old_b.idle == 0
+        (await pool.send(b, "GET", "/", CIMultiDict(), None)).release()
+        assert (old_b.idle, old_b.opened) == (0, 2)
+        # Named again, it is taken back.
+        pool.update([a, b])
+        assert pool.origin(b) is old_b
+        assert not old_b.retired
+        await pool.close()
 
 
 async def test_the_request_carries_host_and_its_framing_and_nothing_else() -> None:

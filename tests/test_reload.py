@@ -1,0 +1,158 @@
+"""SIGHUP reloads the config of a real proxy process: routes, limits and log settings
+change for the next request while a write already at the upstream finishes as it
+started; a config that is not valid is refused in one line naming its file and key,
+and the running one goes on; what takes a restart is said."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
+
+
+def write(path: Path, **config: Any) -> None:
+    path.write_text(yaml.safe_dump(config))
+
+
+def fence(job: str, generation: int) -> dict[str, str]:
+    return {"Fencing-Job": job, "Fencing-Token": str(generation)}
+
+
+@pytest.fixture
+async def second() -> AsyncIterator[RecordingUpstream]:
+    async with RecordingUpstream.serve() as up:
+        yield up
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def reload(proxy: ProxyProcess, word: str) -> str:
+    """SIGHUP, then wait for the line that says how it went; that line."""
+    seen = proxy.output().count(word)
+    proxy.signal(signal.SIGHUP)
+    await eventually(lambda: proxy.output().count(word) > seen)
+    return [line for line in proxy.output().splitlines() if word in line][-1]
+
+
+async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_flight(
+    tmp_path: Path,
+    upstream: RecordingUpstream,
+    second: RecordingUpstream,
+    session: aiohttp.ClientSession,
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    store = f"sqlite:///{tmp_path / 'fences.db'}"
+    write(path, store=store, routes=[{"name": "billing", "path": "/billing/",
+                                      "upstream": upstream.url}])  # fmt: skip
+    proxy = await ProxyProcess(path, free_port()).start()
+    stack = contextlib.ExitStack()
+    try:
+        url = proxy.url
+        assert (await session.post(f"{url}/billing/a", headers=fence("j1", 2))).status == 200
+        assert (await session.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 404
+        # A write held at the first upstream while the config changes under it.
+        release = upstream.hold()
+        stack.callback(release)  # even when an assertion fails before its turn
+        in_flight = asyncio.ensure_future(
+            session.post(f"{url}/billing/b", headers=fence("j1", 2), data=b"held")
+        )
+        await upstream.wait_for(2)
+        write(
+            path,
+            store=store,
+            log_format="json",
+            routes=[
+                {"name": "billing", "path": "/billing/", "upstream": second.url, "max_body": 8},
+                {"name": "ledger", "path": "/ledger/", "upstream": second.url},
+            ],
+        )
+        line = await reload(proxy, "reloaded")
+        assert json.loads(line)["message"] == f"reloaded {path}: 2 route(s)"
+
+        # The new routes serve the next request (of another job: j1 has a write in
+        # flight), on a connection opened before.
+        answer = await session.post(f"{url}/billing/c", headers=fence("j3", 1), data=b"new")
+        assert answer.status == 200
+        assert (await session.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 200
+        assert [r.path_qs for r in second.received] == ["/billing/c", "/ledger/a"]
+        too_big = await session.post(f"{url}/billing/d", headers=fence("j3", 1), data=b"9 bytes!!")
+        assert too_big.status == 413
+        # The held write finishes at the upstream it was sent to, answered whole.
+        release()
+        held = await in_flight
+        assert held.status == 200
+        assert [r.body for r in upstream.received] == [b"", b"held"]
+        # The fence is the same store's: what it knew before the reload still holds.
+        stale = await session.post(f"{url}/billing/e", headers=fence("j1", 1))
+        assert stale.status == 409
+        # Log lines after the reload are JSON, the decision's included.
+        await eventually(lambda: "stale-generation" in proxy.output())
+        last = proxy.output().splitlines()[-1]
+        assert json.loads(last)["decision"] == "stale-generation"
+    finally:
+        stack.close()
+        await proxy.stop()
+
+
+async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    store = f"sqlite:///{tmp_path / 'fences.db'}"
+    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
+    write(path, store=store, routes=[route])
+    proxy = await ProxyProcess(path, free_port()).start()
+    try:
+        url = proxy.url
+
+        write(path, store=store, routes=[{**route, "upstreem": upstream.url}])
+        line = await reload(proxy, "reload refused")
+        assert line.endswith(
+            f"reload refused, the running config stays: {path}: routes[0].upstreem: "
+            "unknown key; did you mean 'upstream'?"
+        )
+        assert (await session.post(f"{url}/billing/a", headers=fence("j", 1))).status == 200
+
+        path.write_text("routes: [\n")
+        line = await reload(proxy, "reload refused")
+        assert f"{path}: line 2, column 1: invalid YAML" in line
+
+        path.unlink()
+        line = await reload(proxy, "reload refused")
+        assert f"{path}: cannot read" in line
+        assert (await session.post(f"{url}/billing/b", headers=fence("j", 1))).status == 200
+        assert len(upstream.received) == 2
+
+        # The store and the key lifetime take a restart: the reload says so, and the
+        # rest of the file is taken.
+        other = f"sqlite:///{tmp_path / 'other.db'}"
+        write(path, store=other, idempotency={"ttl": "1h"},
+              routes=[{**route, "max_body": 4}])  # fmt: skip
+        line = await reload(proxy, "reloaded")
+        assert line.endswith(
+            f"reloaded {path}: 1 route(s); not changed until a restart: store (still "
+            f"SQLite file {tmp_path / 'fences.db'}), idempotency.ttl (still 86400s)"
+        )
+        assert "WARNING" in line
+        too_big = await session.post(f"{url}/billing/c", headers=fence("j", 1), data=b"12345")
+        assert too_big.status == 413
+        stale = await session.post(f"{url}/billing/c", headers=fence("j", 0))
+        assert stale.status == 409  # the running store, which saw generation 1
+        assert not (tmp_path / "other.db").exists()
+        assert "Traceback" not in proxy.output()
+    finally:
+        await proxy.stop()
