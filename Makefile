@@ -50,13 +50,16 @@ pytest: $(STAMP) servers
 ## Servers the tests drive for real, from Debian's packages when missing (as root):
 ## nginx, the reference for how an upstream resolves a request path and the
 ## benchmark's baseline, PostgreSQL, the shared store (the tests start a throwaway
-## cluster of their own), and wrk, the benchmark's load generator.
+## cluster of their own), wrk, the benchmark's load generator, and chromium with its
+## driver, the browser the operator page is tested in.
 servers:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
 	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || missing="$$missing postgresql"; \
 	command -v wrk >/dev/null 2>&1 || missing="$$missing wrk"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing$$missing from Debian's packages"; \

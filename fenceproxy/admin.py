@@ -4,11 +4,14 @@ the proxy's port: what operators and their tools ask of a running proxy.
     GET /healthz   200 while the process serves (a liveness probe)
     GET /readyz    200 when the store answers and its schema is current; 503 with the
                    reason otherwise (a readiness probe, a load balancer's check)
+    GET /          the operator page (:mod:`fenceproxy.page`)
     GET /metrics   the Prometheus text format (prometheus-client)
     GET /jobs/{job}            what the store holds of one job: its highest generation
                                and when it was set, its lease, its in-flight record and
                                its recent idempotency keys (never their answers)
     GET /jobs?prefix=&after=&limit=   job ids with a fence or a lease, a page at a time
+    GET /events?after=&job=&limit=    this proxy's last decisions and lease calls, and
+                                      its refusals by kind (:mod:`fenceproxy.recent`)
 
 The metrics are :class:`fenceproxy.metrics.Metrics`.
 """
@@ -21,6 +24,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .config import Config
 from .edge import problem_response
 from .errors import (
     NoRoute,
@@ -33,6 +37,8 @@ from .errors import (
 from .fencing import parse_job
 from .log import server_log
 from .metrics import Metrics
+from .page import add_page
+from .recent import KEPT
 from .store import Store
 from .store.base import JobView
 
@@ -41,8 +47,11 @@ __all__ = ["admin_app"]
 _MAX_PAGE = 1000
 
 
-def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
-    """The admin listener's application; ``store`` gives the proxy's open store."""
+def admin_app(
+    config: Callable[[], Config], store: Callable[[], Store], metrics: Metrics
+) -> web.Application:
+    """The admin listener's application; ``config`` gives the running config (it
+    changes on a reload), ``store`` the proxy's open store."""
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "serving"})
@@ -82,10 +91,34 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
             {"jobs": found, "next": found[-1] if len(found) == limit else None}
         )
 
+    async def events(request: web.Request) -> web.Response:
+        query = request.query
+        try:
+            after = int(query.get("after", "0"))
+            limit = int(query.get("limit", "100"))
+        except ValueError:
+            after = limit = -1
+        if after < 0 or not 1 <= limit <= KEPT:
+            return problem_response(
+                RequestMalformed(
+                    f"after must be a whole number, limit a whole number from 1 to {KEPT}"
+                )
+            )
+        recent = metrics.recent
+        found = recent.after(after, job=query.get("job") or None, limit=limit)
+        return web.json_response(
+            {
+                "events": [e.json() for e in found],
+                "last": recent.last,
+                "refusals": recent.refusals(),
+            }
+        )
+
     async def unknown(request: web.Request) -> web.Response:
         return problem_response(
             NoRoute(
-                f"the admin listener has no {request.path}: see /healthz, /readyz, /metrics, /jobs"
+                f"the admin listener has no {request.path}: see /, /healthz, /readyz, /metrics, "
+                "/jobs, /events"
             )
         )
 
@@ -100,11 +133,13 @@ def admin_app(store: Callable[[], Store], metrics: Metrics) -> web.Application:
         return response
 
     app = web.Application(middlewares=[refusals])
+    add_page(app, config, store, metrics.recent)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/jobs", jobs)
     app.router.add_get("/jobs/{job:.+}", job)
+    app.router.add_get("/events", events)
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
 

@@ -209,7 +209,7 @@ class FenceProxy:
 
     def admin(self) -> web.Application:
         """The admin listener's application (:mod:`fenceproxy.admin`)."""
-        return admin_app(lambda: self.store, self.metrics)
+        return admin_app(lambda: self.config, lambda: self.store, self.metrics)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Answer one request: the lease API under its prefix, a route otherwise.

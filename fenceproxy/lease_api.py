@@ -139,7 +139,10 @@ class LeaseService:
         owner = _owner(body.owner, caller)
         ttl = self._ttl(body.ttl)
         result, now = await self._change(
-            "claim", job, lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now)
+            "claim",
+            job,
+            owner,
+            lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now),
         )
         lease_log.info("claim %r by %r: generation %d", job, owner, result.generation)
         return self._answer(result, now)
@@ -154,6 +157,7 @@ class LeaseService:
             *await self._change(
                 "renew",
                 job,
+                owner,
                 lambda cur, fence, now: leasing.renew(cur, job, owner, body.generation, ttl, now),
             )
         )
@@ -189,19 +193,25 @@ class LeaseService:
         result, now = await self._change(
             action,
             job,
+            owner,
             lambda cur, fence, now: decide(cur, job, owner, body.generation, now),
         )
         lease_log.info("%s %r by %r at generation %d", result.state, job, owner, body.generation)
         return self._answer(result, now)
 
-    async def _change(self, action: str, job: str, change: Any) -> tuple[Lease, float]:
+    async def _change(self, action: str, job: str, owner: str, change: Any) -> tuple[Lease, float]:
         """The changed lease and the store's clock when it changed; refusals raised.
-        Counted by action and result."""
+        Counted by action and result, and kept for the operator page."""
         result, now = await self._store().change_lease(job, change)
+        recent = self._metrics.recent
         if isinstance(result, Refusal):
             self._metrics.lease_call(action, result.slug)
+            extensions = result.extensions
+            recent.lease(action, job, owner, extensions.get("generation"), result.slug,
+                         result.status, extensions.get("current_generation"))  # fmt: skip
             raise result
         self._metrics.lease_call(action, "granted")
+        recent.lease(action, job, owner, result.generation)
         return result, now
 
     async def _parse(self, request: web.BaseRequest, schema: type[_Body]) -> Any:

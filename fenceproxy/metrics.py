@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from .recent import Recent
+
 __all__ = ["Metrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -17,6 +19,8 @@ class Metrics:
     """Every metric of one proxy, in a registry of its own."""
 
     def __init__(self) -> None:
+        self.recent = Recent()
+        """The last decisions and lease calls themselves, for the operator page."""
         self.registry = CollectorRegistry()
         r = self.registry
         self._decisions = Counter(

@@ -76,6 +76,7 @@ from .fencing import (
 from .http1 import UpstreamResponse
 from .log import decision_log, proxy_log
 from .metrics import Metrics
+from .recent import Event
 from .routes import Route, Router
 from .store import Store
 from .tokens import SigningKeys, read_token
@@ -188,19 +189,35 @@ class Proxy:
                     request, route, target, path_job, override, aliases, seen
                 )
             except Refusal as refusal:
-                self._metrics.decided(route.name, refusal.slug)
+                event = self._decided(route, seen, refusal.slug, refusal.status, started,
+                                      refusal.extensions.get("current_generation"))  # fmt: skip
                 if decision_log.isEnabledFor(logging.INFO):
                     refusal.logged = True
-                    _log_decision(logging.INFO, route, seen, refusal.slug, refusal.status,
-                                  started, refusal)  # fmt: skip
+                    _log_decision(logging.INFO, event)
                 raise
             replayed = hdrs.IDEMPOTENT_REPLAYED in response.headers
             decision = "replayed" if replayed else "forwarded"
-            self._metrics.decided(route.name, decision)
+            event = self._decided(route, seen, decision, response.status, started, None)
             if decision_log.isEnabledFor(logging.DEBUG):
-                _log_decision(logging.DEBUG, route, seen, decision, response.status, started)
+                _log_decision(logging.DEBUG, event)
             return response
         return await self._pass_through(request, route, target)
+
+    def _decided(
+        self,
+        route: Route,
+        seen: _Seen,
+        outcome: str,
+        status: int,
+        started: float,
+        current: int | None,
+    ) -> Event:
+        """Count a fenced write's decision and keep it for the operator page."""
+        self._metrics.decided(route.name, outcome)
+        ms = round((time.monotonic() - started) * 1000, 3)
+        return self._metrics.recent.write(
+            route.name, seen.job, seen.generation, current, seen.key, outcome, status, ms
+        )
 
     async def close(self) -> None:
         """Stop retrying key settlements: a key in flight whose in-flight record is
@@ -547,33 +564,24 @@ class _Seen:
         self.key: str | None = None
 
 
-def _log_decision(
-    level: int,
-    route: Route,
-    seen: _Seen,
-    decision: str,
-    status: int,
-    started: float,
-    refusal: Refusal | None = None,
-) -> None:
+def _log_decision(level: int, event: Event) -> None:
     """One line for a fenced decision. Values come validated (the job, the generation,
     the key), never the token, a header or the body."""
-    current = None if refusal is None else refusal.extensions.get("current_generation")
     decision_log.log(
         level,
         "%s",
-        decision,
+        event.outcome,
         extra={
             "fields": {
-                "route": route.name,
-                "job": seen.job,
-                "generation": seen.generation,
-                "current_generation": current,
-                "key": seen.key,
-                "decision": decision,
-                "status": status,
-                "replayed": decision == "replayed",
-                "ms": round((time.monotonic() - started) * 1000, 3),
+                "route": event.route,
+                "job": event.job,
+                "generation": event.generation,
+                "current_generation": event.current_generation,
+                "key": event.key,
+                "decision": event.outcome,
+                "status": event.status,
+                "replayed": event.outcome == "replayed",
+                "ms": event.ms,
             }
         },
     )

@@ -305,3 +305,45 @@ async def test_jobs_cli_says_when_the_admin_listener_cannot_be_reached(
         cli.main(["jobs", "show", "x", "--admin", "127.0.0.1:9901"])
     assert usage.value.code == 2
     assert "give a URL" in capsys.readouterr().err
+
+
+async def test_events_list_the_last_decisions_and_lease_calls(proxy: Client, admin: Client) -> None:
+    claim = await proxy.post("/_leases/e-1/claim", json={"owner": "w1", "ttl": 30})
+    generation = (await claim.json())["generation"]
+    assert (await fenced(proxy, "e-1", generation, key="k1")).status == 200
+    assert (await fenced(proxy, "e-1", generation - 1)).status == 409
+    assert (await fenced(proxy, "e-2", 5)).status == 200
+    shown = await (await admin.get("/events", params={"job": "e-1"})).json()
+    assert [(e["action"], e["outcome"], e["generation"]) for e in shown["events"]] == [
+        ("claim", "granted", generation),
+        ("write", "forwarded", generation),
+        ("write", "stale-generation", generation - 1),
+    ]
+    assert shown["events"][0]["owner"] == "w1"
+    assert shown["events"][1]["key"] == "k1"
+    assert shown["events"][2]["current_generation"] == generation
+    assert shown["refusals"] == {"stale-generation": [1, 1, 1]}
+    after = await (await admin.get("/events", params={"after": str(shown["last"] - 1)})).json()
+    assert [e["job"] for e in after["events"]] == ["e-2"]
+    for bad in ({"after": "-1"}, {"limit": "0"}, {"after": "x"}):
+        await problem(await admin.get("/events", params=bad), 400, "request-malformed")
+
+
+async def test_the_page_escapes_what_clients_sent_and_allows_only_its_own_script(
+    proxy: Client, admin: Client
+) -> None:
+    hostile = '<img src=x onerror="alert(1)">'
+    assert (await fenced(proxy, hostile, 1, key="<k>")).status == 200
+    page = await admin.get("/", params={"job": hostile})
+    assert page.status == 200
+    assert page.headers["Content-Type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+    html = await page.text()
+    assert "<img" not in html
+    assert html.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") >= 3  # form, h3, rows
+    assert "&lt;k&gt;" in html
+    script = await admin.get("/static/page.js")
+    assert script.status == 200
+    assert script.headers["Content-Type"].startswith("text/javascript")
+    not_a_job = await (await admin.get("/", params={"job": "\x01"})).text()
+    assert "must be 1 to 256 bytes" in not_a_job

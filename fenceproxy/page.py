@@ -1,0 +1,285 @@
+"""The operator page, at the admin listener's ``/``: one server-rendered page with a
+little plain JavaScript (``static/page.js``, no build step, nothing from elsewhere).
+
+It shows the decisions of this proxy as they happen (the script asks for the rows
+after the last it has, once a second), the refusals by kind over the last minute, 5
+and 15 minutes, the routes of the running config and their upstreams, and, for the
+job entered, what the store holds of it now and its timeline: the claims, renewals,
+completions and releases (the generations and their holders) and the writes with
+their decisions, as this proxy saw them (:mod:`fenceproxy.recent`).
+
+Every row is rendered here, the first time and as the page polls, so the script only
+places them. Every value is escaped; the page's Content-Security-Policy allows
+nothing but this listener's own script and style.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from html import escape
+from importlib.resources import files
+from typing import Any
+
+from aiohttp import web
+
+from .config import Config, parse_store_url
+from .errors import Refusal, StoreError
+from .fencing import parse_job
+from .recent import Event, Recent
+from .store import Store
+from .store.base import JobView
+
+__all__ = ["add_page"]
+
+_SHOWN = 200
+"""Decisions shown on the page, newest first."""
+_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+_STATIC = {
+    "page.js": "text/javascript; charset=utf-8",
+    "page.css": "text/css; charset=utf-8",
+}
+
+
+def add_page(
+    app: web.Application,
+    config: Callable[[], Config],
+    store: Callable[[], Store],
+    recent: Recent,
+) -> None:
+    """Serve the page (``/``), its updates (``/page/feed``) and its two files."""
+    from . import __version__  # the package imports this module as it loads
+
+    static = {
+        name: (files(__package__).joinpath("static", name).read_bytes(), kind)
+        for name, kind in _STATIC.items()
+    }
+
+    async def page(request: web.Request) -> web.Response:
+        job, job_html = await _job_section(request.query.get("job"), store(), recent)
+        html = _PAGE.format(
+            version=escape(__version__),
+            listen=escape(config().listen),
+            store=escape(parse_store_url(config().store).describe()),
+            last=recent.last,
+            job_attr=escape(job or "", quote=True),
+            refusals=_refusal_rows(recent),
+            events=_event_rows(reversed(recent.after(0, limit=_SHOWN)), with_job=True),
+            job=job_html,
+            routes=_route_rows(config()),
+        )
+        return web.Response(text=html, content_type="text/html", headers=_HEADERS)
+
+    async def feed(request: web.Request) -> web.Response:
+        try:
+            after = int(request.query.get("after", "0"))
+        except ValueError:
+            after = 0
+        job = request.query.get("job") or None
+        events = recent.after(after, limit=_SHOWN)
+        timeline = [e for e in events if job is not None and e.job == job]
+        return web.json_response(
+            {
+                "last": recent.last,
+                "events": _event_rows(reversed(events), with_job=True),
+                "timeline": _event_rows(timeline, with_job=False),
+                "refusals": _refusal_rows(recent),
+            },
+            headers={"Cache-Control": "no-store"},
+        )
+
+    def serve_static(name: str) -> Any:
+        body, kind = static[name]
+
+        async def handler(request: web.Request) -> web.Response:
+            return web.Response(
+                body=body, headers={"Content-Type": kind, "X-Content-Type-Options": "nosniff"}
+            )
+
+        return handler
+
+    app.router.add_get("/", page)
+    app.router.add_get("/page/feed", feed)
+    for name in static:
+        app.router.add_get(f"/static/{name}", serve_static(name))
+
+
+async def _job_section(asked: str | None, store: Store, recent: Recent) -> tuple[str | None, str]:
+    """The job entered, and its section: what the store holds now and its timeline."""
+    if not asked:
+        return None, ""
+    try:
+        job = parse_job(asked, "the form")
+    except Refusal as refusal:
+        return None, f'<p class="problem">{escape(refusal.detail)}</p>'
+    try:
+        now = _now_html(await store.inspect(job))
+    except StoreError as exc:
+        now = f'<p class="problem">the store could not be read: {escape(str(exc))}</p>'
+    events = recent.after(0, job=job)
+    timeline = (
+        _TIMELINE.format(rows=_event_rows(events, with_job=False))
+        if events
+        else '<table class="events" hidden><tbody id="timeline"></tbody></table>'
+        '<p class="empty" id="timeline-empty">this proxy has seen nothing of it since it '
+        "started</p>"
+    )
+    return job, f"<h3>{escape(job)}</h3>{now}<h4>Timeline</h4>{timeline}"
+
+
+def _now_html(view: JobView) -> str:
+    if not view.known:
+        return '<p class="empty">the store holds nothing of this job</p>'
+    rows = []
+    if view.generation is not None:
+        assert view.generation_set_at is not None
+        rows.append(("generation", f"{view.generation}, set {_when(view.generation_set_at)}"))
+    lease = view.lease
+    if lease is None:
+        rows.append(("lease", "none"))
+    else:
+        left = lease.lease_until - view.now
+        state = f"live, {left:.1f} s left" if lease.live(view.now) else "not live"
+        rows.append(
+            ("lease", f"{lease.owner}, generation {lease.generation}, {lease.state.value}, {state}")
+        )
+    if view.in_flight is None:
+        rows.append(("in flight", "nothing"))
+    else:
+        holder, state, expires_at = view.in_flight
+        rows.append(("in flight", f"{state} (holder {holder}), until {_when(expires_at)}"))
+    for key in view.keys:
+        status = "-" if key.status is None else key.status
+        rows.append(
+            (
+                "key",
+                f"{key.key}: {key.state}, route {key.route}, generation {key.generation}, "
+                f"status {status}, {_when(key.created_at)}",
+            )
+        )
+    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
+    return f'<table class="now" id="job-now"><tbody>{body}</tbody></table>'
+
+
+def _event_rows(events: Iterable[Event], *, with_job: bool) -> str:
+    return "".join(_event_row(e, with_job) for e in events)
+
+
+def _event_row(e: Event, with_job: bool) -> str:
+    who = e.owner if e.action != "write" else e.key
+    cells = [
+        f'<td title="{_when(e.at)}">{_clock(e.at)}</td>',
+        _cell(e.action),
+        *([_cell(e.job)] if with_job else []),
+        _cell(e.route),
+        _cell(e.generation),
+        _cell(e.current_generation),
+        _cell(who),
+        f'<td class="outcome">{escape(e.outcome)}</td>',
+        _cell(e.status),
+    ]
+    kind = "refused" if e.refused else "granted"
+    return f'<tr class="{kind}" data-seq="{e.seq}">{"".join(cells)}</tr>'
+
+
+def _cell(value: object) -> str:
+    return "<td>-</td>" if value is None else f"<td>{escape(str(value))}</td>"
+
+
+def _refusal_rows(recent: Recent) -> str:
+    rows = recent.refusals()
+    if not rows:
+        return '<tr class="empty"><td colspan="4">none</td></tr>'
+    return "".join(
+        f"<tr><td>{escape(kind)}</td>{''.join(f'<td>{n}</td>' for n in counts)}</tr>"
+        for kind, counts in rows.items()
+    )
+
+
+def _route_rows(config: Config) -> str:
+    out = []
+    for r in config.routes:
+        if r.fence is None:
+            fence = "pass-through"
+        else:
+            methods = (
+                ", ".join(r.fence.methods) if r.fence.methods else "all but GET, HEAD, OPTIONS"
+            )
+            extra = [f"tokens {r.fence.tokens}"]
+            if r.fence.check_lease:
+                extra.append("lease-checked")
+            fence = f"{methods} ({'; '.join(extra)})"
+        out.append(
+            "<tr>"
+            + "".join(
+                _cell(v) for v in (r.name, r.path, r.upstream, fence, f"{r.timeout:g}s", r.max_body)
+            )
+            + "</tr>"
+        )
+    return "".join(out)
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}"
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+_TIMELINE = """<table class="events"><thead><tr><th>time (UTC)</th><th>what</th>
+<th>route</th><th>generation</th><th>newer</th><th>key or holder</th><th>decision</th>
+<th>status</th></tr></thead><tbody id="timeline">{rows}</tbody></table>"""
+
+_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>fenceproxy on {listen}</title>
+<link rel="stylesheet" href="/static/page.css">
+<script src="/static/page.js" defer></script>
+</head>
+<body data-last="{last}" data-job="{job_attr}">
+<header>
+<h1>fenceproxy <small>{version}</small></h1>
+<p>listening on {listen} &middot; store: {store} &middot;
+<a href="/metrics">metrics</a> &middot; <a href="/readyz">readiness</a>
+&middot; <span id="feed-status">updated when loaded</span></p>
+</header>
+<main>
+<section>
+<h2>Refusals by kind</h2>
+<table class="counts"><thead><tr><th>kind</th><th>last minute</th><th>5 minutes</th>
+<th>15 minutes</th></tr></thead><tbody id="refusals">{refusals}</tbody></table>
+</section>
+<section>
+<h2>Job</h2>
+<form method="get" action="/" id="job-form">
+<label for="job-input">job id</label>
+<input id="job-input" name="job" value="{job_attr}" required maxlength="256">
+<button type="submit">Show</button>
+</form>
+<div id="job">{job}</div>
+</section>
+<section>
+<h2>Decisions, newest first</h2>
+<table class="events"><thead><tr><th>time (UTC)</th><th>what</th><th>job</th>
+<th>route</th><th>generation</th><th>newer</th><th>key or holder</th><th>decision</th>
+<th>status</th></tr></thead><tbody id="events">{events}</tbody></table>
+</section>
+<section>
+<h2>Routes</h2>
+<table><thead><tr><th>name</th><th>path</th><th>upstream</th><th>fenced methods</th>
+<th>timeout</th><th>max body</th></tr></thead><tbody id="routes">{routes}</tbody></table>
+</section>
+</main>
+</body>
+</html>
+"""

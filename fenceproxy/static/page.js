@@ -1,0 +1,45 @@
+// The operator page's only script: once a second, ask the admin listener for the
+// decisions after the last one shown and place the rows it renders. No framework,
+// no build step; the server escapes every value.
+"use strict";
+
+(() => {
+  const SHOWN = 200;
+  const body = document.body;
+  const job = body.dataset.job || "";
+  const events = document.getElementById("events");
+  const refusals = document.getElementById("refusals");
+  const timeline = document.getElementById("timeline");
+  const status = document.getElementById("feed-status");
+  let last = Number(body.dataset.last);
+
+  async function poll() {
+    try {
+      const query = new URLSearchParams({ after: String(last), job });
+      const answer = await fetch(`/page/feed?${query}`, { cache: "no-store" });
+      if (!answer.ok) {
+        throw new Error(`the admin listener answered ${answer.status}`);
+      }
+      const feed = await answer.json();
+      events.insertAdjacentHTML("afterbegin", feed.events);
+      while (events.rows.length > SHOWN) {
+        events.deleteRow(-1);
+      }
+      refusals.innerHTML = feed.refusals;
+      if (timeline && feed.timeline) {
+        timeline.insertAdjacentHTML("beforeend", feed.timeline);
+        timeline.closest("table").hidden = false;
+        document.getElementById("timeline-empty")?.remove();
+      }
+      last = feed.last;
+      status.textContent = `live, updated ${new Date().toLocaleTimeString()}`;
+      status.className = "live";
+    } catch (error) {
+      status.textContent = `not updating: ${error.message}`;
+      status.className = "stale";
+    }
+    setTimeout(poll, 1000);
+  }
+
+  poll();
+})();

@@ -1,0 +1,164 @@
+"""The operator page in a real browser: headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, which ``make test`` installs) driven by Selenium, against a real
+proxy process. A stale write sent through the proxy appears on the open page, the
+refusals are counted by kind, and a job's timeline shows its generations, holders and
+writes with their decisions."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+CHROMIUM = shutil.which("chromium")
+DRIVER = shutil.which("chromedriver") or (
+    "/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    if CHROMIUM is None or DRIVER is None:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (make servers)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path, upstream: RecordingUpstream) -> AsyncIterator[ProxyProcess]:
+    path = tmp_path / "proxy.yaml"
+    config = {
+        "store": f"sqlite:///{tmp_path / 'fences.db'}",
+        "leases": {},
+        "routes": [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
+    }
+    path.write_text(yaml.safe_dump(config))
+    proxy = await ProxyProcess(path, free_port()).start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+class Worker:
+    """A worker of another language's kind: plain HTTP to the lease API and the proxy."""
+
+    def __init__(self, session: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> None:
+        self.session, self.url, self.name = session, proxy.url, name
+
+    async def lease(self, action: str, job: str, generation: int | None = None) -> int:
+        body: dict[str, Any] = {"owner": self.name}
+        if generation is not None:
+            body["generation"] = generation
+        quoted = job.replace("/", "%2F")
+        async with self.session.post(f"{self.url}/_leases/{quoted}/{action}", json=body) as r:
+            assert r.status == 200, await r.text()
+            return int((await r.json())["generation"])
+
+    async def write(self, job: str, generation: int, key: str) -> int:
+        headers = {"Fencing-Job": job, "Fencing-Token": str(generation), "Idempotency-Key": key}
+        async with self.session.post(f"{self.url}/billing/charges", headers=headers) as r:
+            return r.status
+
+
+async def until(
+    browser: WebDriver, condition: Callable[[WebDriver], Any], within: float = 15
+) -> Any:
+    """Wait, polling the page, until ``condition`` holds in the browser."""
+
+    def wait() -> Any:
+        try:
+            return WebDriverWait(browser, within, poll_frequency=0.1).until(condition)
+        except TimeoutException:
+            raise AssertionError(f"the page never showed it:\n{browser.page_source}") from None
+
+    return await asyncio.to_thread(wait)
+
+
+def rows(browser: WebDriver, tbody: str) -> list[list[str]]:
+    """The text of each cell of each row of the table body ``#tbody``."""
+    return [
+        [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+        for row in browser.find_elements(By.CSS_SELECTOR, f"#{tbody} tr")
+    ]
+
+
+async def test_a_stale_write_appears_live_and_a_job_shows_its_timeline(
+    browser: WebDriver, proxy: ProxyProcess, upstream: RecordingUpstream
+) -> None:
+    job = "invoice/7"
+    async with aiohttp.ClientSession() as session:
+        old, new = Worker(session, proxy, "w-old"), Worker(session, proxy, "w-new")
+        first = await old.lease("claim", job)
+        assert await old.write(job, first, "k-1") == 200
+        await old.lease("release", job, first)
+        second = await new.lease("claim", job)
+        assert second == first + 1
+
+        await asyncio.to_thread(browser.get, f"{proxy.admin_url}/")
+        assert browser.title == f"fenceproxy on 127.0.0.1:{proxy.port}"
+        routes = rows(browser, "routes")
+        assert routes[0][:3] == ["billing", "/billing/", upstream.url]
+        # The page is open; the paused worker wakes up and writes under its old lease.
+        assert await old.write(job, first, "k-2") == 409
+        stale = await until(
+            browser,
+            lambda b: [r for r in rows(b, "events") if r[1:3] == ["write", job] and
+                       r[7] == "stale-generation"],
+        )  # fmt: skip
+        assert stale[0][2:] == [job, "billing", str(first), str(second), "k-2",
+                                "stale-generation", "409"]  # fmt: skip
+        assert rows(browser, "refusals") == [["stale-generation", "1", "1", "1"]]
+        assert "live" in browser.find_element(By.ID, "feed-status").text
+
+        # A job's timeline, asked for by its id.
+        field = browser.find_element(By.ID, "job-input")
+        field.clear()
+        field.send_keys(job)
+        await asyncio.to_thread(field.submit)
+        await until(browser, lambda b: b.find_element(By.CSS_SELECTOR, "#job h3").text == job)
+        now = browser.find_element(By.ID, "job-now").text
+        assert f"generation {second}, set " in now
+        assert f"lease w-new, generation {second}, held, live" in now
+        assert [r[1:] for r in rows(browser, "timeline")] == [
+            ["claim", "-", str(first), "-", "w-old", "granted", "200"],
+            ["write", "billing", str(first), "-", "k-1", "forwarded", "200"],
+            ["release", "-", str(first), "-", "w-old", "granted", "200"],
+            ["claim", "-", str(second), "-", "w-new", "granted", "200"],
+            ["write", "billing", str(first), str(second), "k-2", "stale-generation", "409"],
+        ]
+        # The shown timeline goes on live: the new holder's write is added to it.
+        assert await new.write(job, second, "k-3") == 200
+        await until(browser, lambda b: len(rows(b, "timeline")) == 6)
+        assert rows(browser, "timeline")[-1][1:] == [
+            "write", "billing", str(second), "-", "k-3", "forwarded", "200",
+        ]  # fmt: skip
+    # Nothing the page did was refused by its own Content-Security-Policy, and its
+    # script raised nothing.
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []
