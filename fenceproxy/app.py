@@ -18,8 +18,9 @@ import logging
 import os
 import resource
 import signal
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -45,13 +46,13 @@ from .store import Store, open_store
 from .target import canonical_path
 from .upstream import TrustedProxies, UpstreamPool
 
-__all__ = ["FenceProxy", "serve"]
+__all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 
 # Limits of the request head; a request beyond them is refused by the server with 4xx.
 _SERVER_LIMITS: dict[str, Any] = {"max_headers": 100}
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-# What a reload cannot change: where it listens, what it keeps its state in.
-_RESTART_ONLY = ("listen", "admin", "store", "shutdown_timeout")
+RESTART_ONLY = ("listen", "admin", "store", "idempotency.ttl", "shutdown_timeout")
+"""What a reload cannot change: where it listens, what it keeps its state in."""
 
 
 class FenceProxy:
@@ -82,24 +83,26 @@ class FenceProxy:
         self._server: ProxyServer | None = None
         self._take(config)
 
-    def reconfigure(self, config: Config) -> list[str]:
+    def restart_only(self, config: Config) -> dict[str, Any]:
+        """What ``config`` changes that only a restart can: each dotted key (``store``,
+        ``idempotency.ttl``, ...) with its running value, to keep on a reload."""
+        kept = {}
+        for name in RESTART_ONLY:
+            running = _setting(self.config, name)
+            if _setting(config, name) != running:
+                kept[name] = False if running is None else running  # admin: false
+        return kept
+
+    def reconfigure(self, config: Config) -> None:
         """Serve ``config`` from the next request on (a reload), without dropping one
-        in flight: each finishes under the route and settings it started with.
+        in flight: a request already routed keeps its route (its upstream, fencing,
+        timeouts and body limit); the proxy-wide limits apply at their next use.
         Routes, fencing, timeouts, limits, signing keys and lease credentials change;
-        what changes only with a restart (the addresses, the store and its key
-        lifetime, the shutdown timeout) is kept as it runs, and named in the list
-        returned. Raises ConfigError, with nothing changed, when a secret cannot be
-        read."""
-        running = self.config
-        changed = [n for n in _RESTART_ONLY if getattr(config, n) != getattr(running, n)]
-        kept = {name: getattr(running, name) for name in changed}
-        if config.idempotency.ttl != running.idempotency.ttl:
-            changed.append("idempotency.ttl")
-            kept["idempotency"] = config.idempotency.model_copy(
-                update={"ttl": running.idempotency.ttl}
-            )
-        self._take(config.model_copy(update=kept))
-        return changed
+        ``config`` must keep what changes only with a restart (:meth:`restart_only`).
+        Raises ConfigError, with nothing changed, when a secret cannot be read."""
+        if self.restart_only(config):
+            raise ValueError("a reload cannot change what takes a restart")
+        self._take(config)
 
     def _take(self, config: Config) -> None:
         # Everything that can fail first; then nothing but assignments.
@@ -289,7 +292,7 @@ async def serve(
     *,
     access_log: logging.Logger | None = None,
     ready: Callable[[], object] = lambda: None,
-    reload: tuple[str, Callable[[], Config]] | None = None,
+    reload: tuple[str, Reader] | None = None,
 ) -> None:
     """Run the proxy of ``config`` until SIGINT or SIGTERM, then stop taking new
     connections, let requests in flight finish for up to ``shutdown_timeout``, and
@@ -297,21 +300,25 @@ async def serve(
     store cannot be opened, ListenError when the address cannot be listened on.
 
     With ``reload`` (the config file's name, and what reads it again), SIGHUP
-    reloads the config (:func:`_reload`)."""
-    host = parse_listen(config.listen)[0]
-    if config.leases is not None and not config.leases.clients and not _loopback(host):
-        server_log.warning(
-            "the lease API on %s takes no credentials: anyone who reaches it can claim, "
-            "renew, complete or release any lease (set leases.clients)",
-            config.listen,
-        )
+    reloads the config (:func:`_reload`); one that comes while it starts is done
+    once it serves."""
+    _warn_open_lease_api(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     serving: list[FenceProxy] = []  # the proxy, once it serves
-    if reload is not None:
-        loop.add_signal_handler(signal.SIGHUP, _reload, serving, *reload)
+    asked: list[bool] = []  # a reload asked for while starting, done once serving
+
+    def hup() -> None:
+        if reload is None:
+            return
+        if serving:
+            _reload(serving[0], *reload)
+        else:
+            asked.append(True)
+
+    loop.add_signal_handler(signal.SIGHUP, hup)
     log_accept_errors(loop)
     _return_freed_memory()
     max_connections = _connection_cap(config.limits.max_connections)
@@ -330,47 +337,87 @@ async def serve(
                 await _listen(admin, config.admin)
             ready()
             serving.append(proxy)
+            if asked:
+                hup()
             await stop.wait()
         finally:
             await admin.cleanup()
             await runner.cleanup()
 
 
-def _reload(serving: list[FenceProxy], source: str, read: Callable[[], Config]) -> None:
+Reader = Callable[[Mapping[str, Any] | None], Config]
+"""Reads the config file again, keeping the given dotted keys' values."""
+
+
+def _reload(proxy: FenceProxy, source: str, read: Reader) -> None:
     """Read the config again and serve it from the next request on; one line says
-    what happened. A config that is not valid is refused whole, naming its file and
-    key, and the running one stays."""
-    if not serving:
-        server_log.warning("reload of %s ignored: the proxy is still starting", source)
-        return
-    proxy = serving[0]
+    what happened. A file that is not valid, alone or with what takes a restart kept
+    as it runs, is refused whole, naming its file and key; the running config stays."""
+    kept: dict[str, Any] = {}
     try:
-        restart = proxy.reconfigure(read())
+        config = read(None)
+        kept = proxy.restart_only(config)
+        if kept:
+            config = read(kept)
+        proxy.reconfigure(config)
     except ConfigError as exc:
-        server_log.error("reload refused, the running config stays: %s", "; ".join(exc.lines))
+        also = f" (checked with {', '.join(kept)} as running: a restart changes those)"
+        server_log.error(
+            "reload refused, the running config stays: %s%s",
+            "; ".join(exc.lines),
+            also if kept else "",
+        )
         return
-    config = proxy.config
     configure_logging(config.log_format, config.log_levels)
-    if restart:
+    _warn_open_lease_api(config)
+    if kept:
         server_log.warning(
             "reloaded %s: %d route(s); not changed until a restart: %s",
             source,
             len(config.routes),
-            ", ".join(f"{name} (still {_setting(config, name)})" for name in restart),
+            ", ".join(f"{name} (still {_shown(config, name)})" for name in kept),
         )
     else:
         server_log.info("reloaded %s: %d route(s)", source, len(config.routes))
 
 
-def _setting(config: Config, name: str) -> str:
+def _warn_open_lease_api(config: Config) -> None:
+    host = parse_listen(config.listen)[0]
+    if config.leases is not None and not config.leases.clients and not _loopback(host):
+        server_log.warning(
+            "the lease API on %s takes no credentials: anyone who reaches it can claim, "
+            "renew, complete or release any lease (set leases.clients)",
+            config.listen,
+        )
+
+
+def _setting(config: Config, name: str) -> Any:
     value: Any = config
     for part in name.split("."):
         value = getattr(value, part)
+    return value
+
+
+def _shown(config: Config, name: str) -> str:
+    value = _setting(config, name)
     if name == "store":
         return parse_store_url(value).describe()
     if isinstance(value, float):  # a duration
         return f"{value:g}s"
     return "off" if value is None else str(value)
+
+
+def notify_systemd(state: str) -> None:
+    """Tell systemd ``state`` (``READY=1``) when it runs this process as a
+    ``Type=notify`` service (``NOTIFY_SOCKET`` is set); nothing otherwise."""
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if not address.startswith(("/", "@")):
+        return
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        sock.sendall(state.encode())
 
 
 async def _listen(runner: web.BaseRunner, address: str) -> None:

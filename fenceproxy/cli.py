@@ -8,11 +8,13 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from .app import serve
+from .app import notify_systemd, serve
 from .client import LeaseClient
 from .config import Config, load_config, parse_listen, parse_store_url
 from .demo import run_demo
@@ -125,13 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args: argparse.Namespace) -> Config:
+def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Config:
     overrides = {
         key: value
         for key in ("listen", "store", "admin")
         if (value := getattr(args, key, None)) is not None
     }
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, keep)
 
 
 def _serve(config: Config, args: argparse.Namespace) -> None:
@@ -149,6 +151,7 @@ def _serve(config: Config, args: argparse.Namespace) -> None:
             parse_store_url(config.store).describe(),
             loop_name,
         )
+        notify_systemd("READY=1")
 
     with asyncio.Runner(loop_factory=loop) as runner:
         runner.run(
@@ -156,9 +159,12 @@ def _serve(config: Config, args: argparse.Namespace) -> None:
                 config,
                 access_log=access_log if args.access_log else None,
                 ready=listening,
-                reload=(args.config, lambda: _load(args)),
+                reload=(args.config, lambda keep: _load(args, keep)),
             )
         )
+    # The loop gave SIGHUP back to its default, which ends the process: a reload
+    # asked for while it shuts down must not turn a clean exit into a killed one.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def _event_loop(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], str]:
@@ -221,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .chaos import main as chaos_main  # only this command needs it
 
         return chaos_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        # Until serve handles it, SIGHUP (a reload) would end the process.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

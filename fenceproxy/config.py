@@ -641,11 +641,25 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def parse_config(data: Any, source: str, overrides: Mapping[str, str] | None = None) -> Config:
-    """Validate already-parsed YAML. ``overrides`` come from the command line."""
+def parse_config(
+    data: Any,
+    source: str,
+    overrides: Mapping[str, str] | None = None,
+    keep: Mapping[str, Any] | None = None,
+) -> Config:
+    """Validate already-parsed YAML. ``overrides`` come from the command line;
+    ``keep`` maps dotted keys (``idempotency.ttl``) to the values they keep whatever
+    the file says (a reload keeps what changes only with a restart)."""
     if not isinstance(data, dict):
         raise ConfigError(source, [("", "the top level must be a mapping of keys")])
     merged = {**data, **(overrides or {})}
+    for dotted, value in (keep or {}).items():
+        node = merged
+        *parents, last = dotted.split(".")
+        for part in parents:
+            child = node.get(part)
+            node[part] = node = dict(child) if isinstance(child, dict) else {}
+        node[last] = value
     try:
         return Config.model_validate(merged)
     except ValidationError as exc:
@@ -689,8 +703,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) -> Config:
-    """Read and validate a config file.
+def load_config(
+    path: str | Path,
+    overrides: Mapping[str, str] | None = None,
+    keep: Mapping[str, Any] | None = None,
+) -> Config:
+    """Read and validate a config file (``keep``: see :func:`parse_config`).
 
     A relative SQLite path in the file is resolved against the file's folder; one in
     ``overrides`` (``--store``) against the working directory.
@@ -717,7 +735,7 @@ def load_config(path: str | Path, overrides: Mapping[str, str] | None = None) ->
         # 5000-digit number or nesting too deep to build.
         detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ConfigError(source, [("", f"invalid YAML value: {detail}")]) from None
-    config = parse_config(data, source, overrides)
+    config = parse_config(data, source, overrides, keep)
     base = os.getcwd() if overrides and "store" in overrides else Path(path).parent
     update: dict[str, Any] = {"store": absolute_store_url(config.store, base)}
     folder = Path(path).parent.absolute()

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from yarl import URL
 
 __all__ = ["add_jobs_parser", "run_jobs"]
 
@@ -53,7 +55,11 @@ def run_jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.action == "show":
         if not args.job:
             parser.error("jobs show needs a JOB")
-        url = f"{base}/jobs/{quote(args.job, safe='')}"
+        try:
+            # Dots too: a path segment "." or ".." would be resolved away on the way.
+            url = f"{base}/jobs/{quote(args.job, safe='').replace('.', '%2E')}"
+        except UnicodeEncodeError:
+            parser.error("jobs show: the job id is not valid UTF-8")
         params: dict[str, str] = {}
     else:
         url = f"{base}/jobs"
@@ -65,10 +71,12 @@ async def _ask(args: argparse.Namespace, base: str, url: str, params: dict[str, 
     try:
         async with (
             aiohttp.ClientSession(timeout=_TIMEOUT) as session,
-            session.get(url, params=params) as response,
+            session.get(URL(url, encoded=True).with_query(params)) as response,
         ):
             body = await response.json(content_type=None)
             ok = response.status == 200
+        if not isinstance(body, dict) or (ok and not _answers(args.action, body)):
+            raise ValueError("that is not a fenceproxy admin listener's answer")
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         print(f"fenceproxy: cannot ask {base}: {exc or type(exc).__name__}", file=sys.stderr)
         return 3
@@ -82,8 +90,20 @@ async def _ask(args: argparse.Namespace, base: str, url: str, params: dict[str, 
     else:
         print("\n".join(body["jobs"]) if body["jobs"] else "(no jobs)")
         if body["next"] is not None:
-            print(f"(more: --after {body['next']})", file=sys.stderr)
+            print(f"(more: --after {shlex.quote(body['next'])})", file=sys.stderr)
     return 0
+
+
+def _answers(action: str, body: dict[str, Any]) -> bool:
+    keys = (
+        {"job", "now", "generation", "lease", "in_flight", "keys"}
+        if action == "show"
+        else {
+            "jobs",
+            "next",
+        }
+    )
+    return keys <= body.keys()
 
 
 def format_job(job: dict[str, Any]) -> str:

@@ -74,19 +74,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False, default=str)
 
 
-_leveled: set[str] = set()  # the loggers whose level the config set
+_before: dict[str, int] = {}  # each logger the config set, and its level before
 
 
 def configure_logging(log_format: str, levels: Mapping[str, str]) -> None:
     """Format the root logger's lines as ``log_format`` says (``text`` or ``json``)
     and set each named logger's level; a logger an earlier call set and this one
-    does not goes back to its parent's level (a reload that drops it)."""
+    does not gets back the level it had before (a reload that drops it)."""
     formatter = JsonFormatter() if log_format == "json" else TextFormatter()
     for handler in logging.getLogger().handlers:
         handler.setFormatter(formatter)
-    for name in _leveled - levels.keys():
-        logging.getLogger(name).setLevel(logging.NOTSET)
+    for name in list(_before):
+        if name not in levels:
+            logging.getLogger(name).setLevel(_before.pop(name))
     for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-    _leveled.clear()
-    _leveled.update(levels)
+        logger = logging.getLogger(name)
+        _before.setdefault(name, logger.level)
+        logger.setLevel(level)

@@ -123,13 +123,14 @@ async def _job_section(asked: str | None, store: Store, recent: Recent) -> tuple
     except StoreError as exc:
         now = f'<p class="problem">the store could not be read: {escape(str(exc))}</p>'
     events = recent.after(0, job=job)
-    timeline = (
-        _TIMELINE.format(rows=_event_rows(events, with_job=False))
-        if events
-        else '<table class="events" hidden><tbody id="timeline"></tbody></table>'
-        '<p class="empty" id="timeline-empty">this proxy has seen nothing of it since it '
-        "started</p>"
+    timeline = _TIMELINE.format(
+        hidden="" if events else " hidden", rows=_event_rows(events, with_job=False)
     )
+    if not events:
+        timeline += (
+            '<p class="empty" id="timeline-empty">this proxy has seen nothing of it since '
+            "it started</p>"
+        )
     return job, f"<h3>{escape(job)}</h3>{now}<h4>Timeline</h4>{timeline}"
 
 
@@ -233,7 +234,7 @@ def _when(at: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
-_TIMELINE = """<table class="events"><thead><tr><th>time (UTC)</th><th>what</th>
+_TIMELINE = """<table class="events"{hidden}><thead><tr><th>time (UTC)</th><th>what</th>
 <th>route</th><th>generation</th><th>newer</th><th>key or holder</th><th>decision</th>
 <th>status</th></tr></thead><tbody id="timeline">{rows}</tbody></table>"""
 

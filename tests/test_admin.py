@@ -288,6 +288,11 @@ async def test_jobs_list_pages_and_show_of_an_unknown_job_is_refused(
                                   url, "--json")  # fmt: skip
     assert (code, json.loads(out)) == (0, {"jobs": ["a-3"], "next": None})
 
+    for odd in ("..", "."):  # path segments a URL would resolve away
+        assert (await fenced(proxy, odd, 1)).status == 200
+        code, out, _ = await jobs_cli(capsys, "show", odd, "--admin", url)
+        assert (code, out.splitlines()[0].split()) == (0, ["job", odd])
+
     code, out, _ = await jobs_cli(capsys, "show", "nobody", "--admin", url)
     assert code == 1
     assert json.loads(out)["type"] == "urn:fenceproxy:problem:no-route"
@@ -301,6 +306,11 @@ async def test_jobs_cli_says_when_the_admin_listener_cannot_be_reached(
     assert (code, out) == (3, "")
     assert err.startswith(f"fenceproxy: cannot ask {url}: ")
     assert "Traceback" not in err
+    # Something else listening there, such as the proxy's own port.
+    async with RecordingUpstream.serve() as other:
+        code, out, err = await jobs_cli(capsys, "show", "j", "--admin", other.url)
+    assert (code, out) == (3, "")
+    assert "not a fenceproxy admin listener's answer" in err
     with pytest.raises(SystemExit) as usage:
         cli.main(["jobs", "show", "x", "--admin", "127.0.0.1:9901"])
     assert usage.value.code == 2

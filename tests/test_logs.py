@@ -6,6 +6,7 @@ at DEBUG; levels set per logger; no token, body or secret in any line."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import yaml
 
 from fenceproxy.config import parse_config
 from fenceproxy.errors import ConfigError
+from fenceproxy.log import configure_logging
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
 
 BODY = {"note": "body-marker-7d1f"}
@@ -107,3 +109,19 @@ def test_log_settings_are_validated() -> None:
         parse_config({"routes": routes, "log_levels": {"aiohttp.access": "loud"}}, "f")
     with pytest.raises(ConfigError, match="log_format"):
         parse_config({"routes": routes, "log_format": "xml"}, "f")
+
+
+def test_a_reload_that_drops_a_level_gives_the_logger_its_level_back() -> None:
+    root, store = logging.getLogger(), logging.getLogger("fenceproxy.store")
+    before = root.level, store.level
+    root.setLevel(logging.WARNING)  # as --log-level set it
+    try:
+        configure_logging("text", {"root": "DEBUG", "fenceproxy.store": "ERROR"})
+        assert (root.level, store.level) == (logging.DEBUG, logging.ERROR)
+        configure_logging("text", {"fenceproxy.store": "INFO"})
+        assert (root.level, store.level) == (logging.WARNING, logging.INFO)
+        configure_logging("text", {})
+        assert (root.level, store.level) == (logging.WARNING, logging.NOTSET)
+    finally:
+        root.setLevel(before[0])
+        store.setLevel(before[1])

@@ -158,6 +158,15 @@ async def test_a_stale_write_appears_live_and_a_job_shows_its_timeline(
         assert rows(browser, "timeline")[-1][1:] == [
             "write", "billing", str(second), "-", "k-3", "forwarded", "200",
         ]  # fmt: skip
+        # A job this proxy has seen nothing of: its timeline appears with its first write.
+        await asyncio.to_thread(browser.get, f"{proxy.admin_url}/?job=fresh")
+        assert browser.find_element(By.ID, "timeline-empty").is_displayed()
+        assert await new.write("fresh", 1, "k-4") == 200
+        await until(browser, lambda b: b.find_element(By.ID, "timeline").is_displayed())
+        assert [r[1:] for r in rows(browser, "timeline")] == [
+            ["write", "billing", "1", "-", "k-4", "forwarded", "200"]
+        ]
+        assert browser.find_elements(By.ID, "timeline-empty") == []
     # Nothing the page did was refused by its own Content-Security-Policy, and its
     # script raised nothing.
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -155,4 +156,67 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
         assert not (tmp_path / "other.db").exists()
         assert "Traceback" not in proxy.output()
     finally:
+        await proxy.stop()
+
+
+async def test_a_file_valid_alone_is_refused_when_it_is_not_with_the_running_store(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url,
+             "fence": {"check_lease": True}}  # fmt: skip
+    write(path, store=f"sqlite:///{tmp_path / 'fences.db'}", leases={}, routes=[route])
+    proxy = await ProxyProcess(path, free_port()).start()
+    try:
+        # Valid on PostgreSQL, where another proxy may serve the lease API; but the
+        # store stays SQLite until a restart, and there nothing could hold a lease.
+        write(path, store="postgresql://fp@127.0.0.1:1/fp", routes=[route])
+        line = await reload(proxy, "reload refused")
+        assert "routes[0].fence.check_lease is on, and no lease API shares" in line
+        assert line.endswith("(checked with store as running: a restart changes those)")
+        claim = await session.post(f"{proxy.url}/_leases/j/claim", json={"owner": "w"})
+        assert claim.status == 200  # the lease API is still there
+    finally:
+        await proxy.stop()
+
+
+async def test_a_reload_that_opens_the_lease_api_beyond_loopback_warns(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    port = free_port()
+    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
+    write(path, store=f"sqlite:///{tmp_path / 'fences.db'}", routes=[route])
+    proxy = await ProxyProcess(path, port, "--listen", f"0.0.0.0:{port}").start()
+    try:
+        assert "takes no credentials" not in proxy.output()
+        write(path, store=f"sqlite:///{tmp_path / 'fences.db'}", leases={}, routes=[route])
+        await reload(proxy, "reloaded")
+        await eventually(lambda: "takes no credentials" in proxy.output())
+    finally:
+        await proxy.stop()
+
+
+async def test_systemd_is_told_once_the_proxy_listens(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    write(path, store=f"sqlite:///{tmp_path / 'fences.db'}",
+          routes=[{"name": "billing", "path": "/billing/", "upstream": upstream.url}])  # fmt: skip
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.setblocking(False)
+    port = free_port()
+    proxy = ProxyProcess(path, port, env={"NOTIFY_SOCKET": str(tmp_path / "notify")})
+    try:
+        process = asyncio.ensure_future(proxy.start())
+        loop = asyncio.get_running_loop()
+        message = await asyncio.wait_for(loop.sock_recv(notify, 64), 20)
+        assert message == b"READY=1"
+        # Ready means listening: a connection is taken at once.
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        await process
+    finally:
+        notify.close()
         await proxy.stop()

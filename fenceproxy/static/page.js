@@ -4,7 +4,8 @@
 "use strict";
 
 (() => {
-  const SHOWN = 200;
+  const SHOWN = 200; // decisions shown, newest first
+  const KEPT = 2000; // timeline rows kept, as many as the proxy keeps
   const body = document.body;
   const job = body.dataset.job || "";
   const events = document.getElementById("events");
@@ -28,6 +29,9 @@
       refusals.innerHTML = feed.refusals;
       if (timeline && feed.timeline) {
         timeline.insertAdjacentHTML("beforeend", feed.timeline);
+        while (timeline.rows.length > KEPT) {
+          timeline.deleteRow(0);
+        }
         timeline.closest("table").hidden = false;
         document.getElementById("timeline-empty")?.remove();
       }
