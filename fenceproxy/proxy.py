@@ -102,7 +102,7 @@ _SETTLE_RETRY = 1.0
 _TURN_SLACK = 1.0
 _BUSY_POLL_FIRST = 0.002
 _BUSY_POLL_MAX = 0.05
-_Slot = tuple[str, str, str]
+_Slot = tuple[str, str]  # (job, key): a key is its job's, whatever route it came by
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +338,7 @@ class Proxy:
         """A keyed write: a duplicate of one this process is still settling is refused
         or replayed at once; otherwise it goes on, marked in flight here meanwhile."""
         assert write.key is not None
-        slot = (route.name, write.job, write.key)
+        slot = (write.job, write.key)
         if (record := self._keys.get(slot)) is not None:
             decision = decide(write, None, record)
             if isinstance(decision, Refusal):
@@ -506,7 +506,7 @@ class Proxy:
         state is kept in memory (so retries are answered by it) and retried."""
         assert write.key is not None
         assert write.fingerprint is not None
-        slot = (write.route, write.job, write.key)
+        slot = (write.job, write.key)
         try:
             await self._store_settlement(write, outcome)
         except StoreError as exc:

@@ -220,3 +220,30 @@ async def test_systemd_is_told_once_the_proxy_listens(
     finally:
         notify.close()
         await proxy.stop()
+
+
+async def test_a_write_retried_after_its_route_was_renamed_is_replayed_not_applied_again(
+    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    store = f"sqlite:///{tmp_path / 'fences.db'}"
+    route = {"name": "orders", "path": "/orders/", "upstream": upstream.url}
+    write(path, store=store, routes=[route])
+    proxy = await ProxyProcess(path, free_port()).start()
+    release = upstream.hold()
+    try:
+        headers = {**fence("j", 3), "Idempotency-Key": "charge-1"}
+        url = f"{proxy.url}/orders/charges"
+        first = asyncio.ensure_future(session.post(url, headers=headers, data=b"charge $10"))
+        await upstream.wait_for(1)
+        write(path, store=store, routes=[{**route, "name": "orders-v2"}])
+        await reload(proxy, "reloaded")
+        release()
+        assert (await first).status == 200
+        retry = await session.post(url, headers=headers, data=b"charge $10")
+        assert retry.status == 200
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert len(upstream.received) == 1
+    finally:
+        release()
+        await proxy.stop()

@@ -18,6 +18,7 @@ from fenceproxy import cli, leasing
 from fenceproxy.errors import StoreError
 from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
+from fenceproxy.store import postgres as postgres_store
 from fenceproxy.testing import FakeClock
 
 from .conftest import admit
@@ -168,6 +169,9 @@ V3_FILE = [
     "INSERT INTO fences VALUES ('j', 7, 0)",
     "INSERT INTO idempotency_keys VALUES ('r', 'j', 'k', 'in_flight', x'6b', 7, NULL, NULL,"
     " NULL, 0, 1e12)",
+    # The same key of the same job on another route, older: a key is its job's now.
+    "INSERT INTO idempotency_keys VALUES ('r0', 'j', 'k', 'completed', x'6b', 6, 200, '[]',"
+    " x'', -1, 1e12)",
     "INSERT INTO meta VALUES ('running', 1)",
     "PRAGMA user_version = 3",
 ]
@@ -193,7 +197,10 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
         await SQLiteStore.open(path)
     config = write_config(tmp_path, f"sqlite:///{path}")
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 3 -> 4" in capsys.readouterr().out
+    assert f"SQLite file {path}: schema version 3 -> 5" in capsys.readouterr().out
+    with closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT route, job, key FROM idempotency_keys").fetchall()
+    assert rows == [("r", "j", "k")]
     store = await SQLiteStore.open(path)
     try:
         assert await store.generation("j") == 7
@@ -204,15 +211,15 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
     finally:
         await store.close()
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 4, up to date" in capsys.readouterr().out
+    assert "schema version 5, up to date" in capsys.readouterr().out
 
 
 async def test_a_new_sqlite_file_is_created_at_the_current_version(tmp_path: Path) -> None:
-    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 4)
+    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 5)
     store = await SQLiteStore.open(tmp_path / "b.db")  # serve needs no migrate step
     await store.close()
     with closing(sqlite3.connect(tmp_path / "b.db")) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (5,)
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -222,7 +229,7 @@ async def test_a_newer_sqlite_schema_is_refused(tmp_path: Path) -> None:
     with closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA user_version = 99")
     for attempt in (SQLiteStore.open(path), SQLiteStore.migrate(path)):
-        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 4"):
+        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 5"):
             await attempt
 
 
@@ -233,19 +240,42 @@ async def test_postgres_must_be_migrated_before_it_serves(
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 1" in capsys.readouterr().out
+    assert "schema version 0 -> 2" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 1, up to date" in capsys.readouterr().out
+    assert "schema version 2, up to date" in capsys.readouterr().out
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 1"):
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 2"):
         await PostgresStore.open(fresh_postgres)
+
+
+async def test_a_postgres_store_of_the_first_version_keeps_one_key_per_job(
+    fresh_postgres: str,
+) -> None:
+    await sql(
+        fresh_postgres,
+        postgres_store._MIGRATIONS[1],
+        "CREATE TABLE fenceproxy_schema (version integer NOT NULL)",
+        "INSERT INTO fenceproxy_schema VALUES (1)",
+        # One key of one job on two routes: the newer stays.
+        "INSERT INTO idempotency_keys (route, job, key, state, fingerprint, generation,"
+        " created_at, expires_at) VALUES ('old', 'j', 'k', 'completed', '\\x6b', 1, 1, 1e12),"
+        " ('new', 'j', 'k', 'completed', '\\x6b', 2, 2, 1e12),"
+        " ('old', 'i', 'k', 'completed', '\\x6b', 1, 1, 1e12)",
+    )
+    assert await PostgresStore.migrate(fresh_postgres) == (1, 2)
+    conn = await asyncpg.connect(fresh_postgres)
+    try:
+        rows = await conn.fetch("SELECT route, job, key FROM idempotency_keys ORDER BY job")
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in rows] == [("old", "i", "k"), ("new", "j", "k")]
 
 
 async def test_two_migrations_at_once_take_turns(fresh_postgres: str) -> None:
     results = await asyncio.gather(*(PostgresStore.migrate(fresh_postgres) for _ in range(4)))
-    assert sorted(results) == [(0, 1), (1, 1), (1, 1), (1, 1)]
+    assert sorted(results) == [(0, 2), (2, 2), (2, 2), (2, 2)]
 
 
 async def test_an_unreachable_postgres_is_a_clear_error(
@@ -306,6 +336,23 @@ async def test_a_key_in_flight_outlives_its_own_time(store: Store, clock: FakeCl
     await store.complete_key(original, StoredResponse(201, (), b"{}"))
     await store.end_turn(original)
     assert isinstance(await admit(store, duplicate), Replay)
+
+
+async def test_a_key_is_its_jobs_whatever_route_it_came_by(store: Store) -> None:
+    """A route renamed by a reload (or a restart) must not let a retry through as new."""
+    original = FencedWrite("orders", "j", 1, key="k", fingerprint=b"charge $10")
+    assert isinstance(await admit(store, original), Admit)
+    renamed = FencedWrite("orders-v2", "j", 1, key="k", fingerprint=b"charge $10")
+    assert (await admit(store, renamed)).slug == "duplicate-in-flight"  # type: ignore[union-attr]
+    await store.complete_key(original, StoredResponse(201, (), b"{}"))
+    await store.end_turn(original)
+    replay = await admit(store, renamed)
+    assert isinstance(replay, Replay)
+    assert replay.response.status == 201
+    other = FencedWrite("refunds", "j", 1, key="k", fingerprint=b"refund $10")
+    assert (await admit(store, other)).slug == "idempotency-key-reused"  # type: ignore[union-attr]
+    another_job = FencedWrite("refunds", "i", 1, key="k", fingerprint=b"refund $10")
+    assert isinstance(await admit(store, another_job), Admit)
 
 
 async def test_an_unknown_outcome_never_shortens_a_record(store: Store) -> None:

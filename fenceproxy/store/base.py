@@ -2,11 +2,11 @@
 and in-flight records, shared by every proxy that uses it.
 
 A backend keeps, per job, the highest generation it has accepted and its in-flight
-record (which write may be at the upstream now, until when); per (route, job, key)
-what became of a keyed write; per job its lease. Every decision is taken inside one
-transaction by :func:`decide_write` (the fence, the key and, on a lease-checked
-route, the lease), and committed before the proxy
-forwards anything. Whatever the guarantees rest on lives here, not in a proxy's
+record (which write may be at the upstream now, until when); per (job, key), by
+whatever route it came, what became of a keyed write; per job its lease. Every
+decision is taken inside one transaction by :func:`decide_write` (the fence, the key
+and, on a lease-checked route, the lease), and committed before the proxy forwards
+anything. Whatever the guarantees rest on lives here, not in a proxy's
 memory: a proxy's own caches (the SQLite store's fences, the proxy's key records)
 are either authoritative because one process owns the store, or only ever refuse
 or replay, never admit.

@@ -111,6 +111,16 @@ CREATE TABLE inflight (
 );
 CREATE INDEX inflight_expiry ON inflight (expires_at);
 """,
+    # A key is its job's, whatever route it came by: renaming a route (a reload, say)
+    # must not let a retried write through as new. Where one key of a job was used on
+    # two routes, the newest stays.
+    2: """
+DELETE FROM idempotency_keys k USING idempotency_keys o
+WHERE o.job = k.job AND o.key = k.key
+  AND (o.created_at > k.created_at OR (o.created_at = k.created_at AND o.route > k.route));
+ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_pkey;
+ALTER TABLE idempotency_keys ADD PRIMARY KEY (job, key);
+""",
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 _VERSION_TABLE = "fenceproxy_schema"
@@ -166,7 +176,7 @@ SELECT k.state, k.fingerprint, k.status, k.headers, k.body,
        EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
                AND i.expires_at > {_NOW})
 FROM idempotency_keys k
-WHERE k.route = $2 AND k.job = $1 AND k.key = $3
+WHERE k.job = $1 AND k.key = $2
   AND (k.expires_at > {_NOW}
        OR EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
                   AND k.state = 'in_flight' AND i.expires_at > {_NOW}))
@@ -303,9 +313,7 @@ class PostgresStore(Store):
             now, current = await _one(conn, _READ, write.job, clock)
             record = None
             if write.key is not None:
-                record = key_record(
-                    await conn.fetchrow(_READ_KEY, write.job, write.route, write.key, clock)
-                )
+                record = key_record(await conn.fetchrow(_READ_KEY, write.job, write.key, clock))
             lease = None
             if write.check_lease:
                 lease = lease_record(await conn.fetchrow(_LEASE, write.job))
@@ -324,9 +332,10 @@ class PostgresStore(Store):
                     "INSERT INTO idempotency_keys (route, job, key, state, fingerprint,"
                     " generation, holder, created_at, expires_at)"
                     " VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, $8)"
-                    " ON CONFLICT (route, job, key) DO UPDATE SET state = 'in_flight',"
-                    " fingerprint = excluded.fingerprint, generation = excluded.generation,"
-                    " holder = excluded.holder, status = NULL, headers = NULL, body = NULL,"
+                    " ON CONFLICT (job, key) DO UPDATE SET route = excluded.route,"
+                    " state = 'in_flight', fingerprint = excluded.fingerprint,"
+                    " generation = excluded.generation, holder = excluded.holder,"
+                    " status = NULL, headers = NULL, body = NULL,"
                     " created_at = excluded.created_at, expires_at = excluded.expires_at",
                     *key_row(write, now, self._key_ttl),
                 )
@@ -365,7 +374,7 @@ class PostgresStore(Store):
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         await self._update_key(
             write,
-            "state = 'completed', status = $6, headers = $7, body = $8",
+            "state = 'completed', status = $5, headers = $6, body = $7",
             response.status,
             json.dumps(response.headers),
             response.body,
@@ -377,9 +386,8 @@ class PostgresStore(Store):
     async def forget_key(self, write: FencedWrite) -> None:
         async def tx(conn: _Conn) -> None:
             status = await conn.execute(
-                "DELETE FROM idempotency_keys WHERE route = $1 AND job = $2 AND key = $3"
-                " AND state = 'in_flight' AND holder = $4",
-                write.route,
+                "DELETE FROM idempotency_keys WHERE job = $1 AND key = $2"
+                " AND state = 'in_flight' AND holder = $3",
                 write.job,
                 write.key,
                 write.turn,
@@ -515,11 +523,9 @@ class PostgresStore(Store):
             status = await conn.execute(
                 _sql(
                     f"UPDATE idempotency_keys SET {assignments},"
-                    f" expires_at = GREATEST(expires_at, {_NOW} + $5)"
-                    " WHERE route = $1 AND job = $2 AND key = $3 AND state = 'in_flight'"
-                    " AND holder = $4"
+                    f" expires_at = GREATEST(expires_at, {_NOW} + $4)"
+                    " WHERE job = $1 AND key = $2 AND state = 'in_flight' AND holder = $3"
                 ),
-                write.route,
                 write.job,
                 write.key,
                 write.turn,

@@ -116,6 +116,36 @@ ALTER TABLE idempotency_keys ADD COLUMN holder TEXT;
 UPDATE idempotency_keys SET state = 'unknown' WHERE state = 'in_flight';
 DROP TABLE meta;
 """,
+    # A key is its job's, whatever route it came by: renaming a route (a reload, say)
+    # must not let a retried write through as new. Where one key of a job was used on
+    # two routes, the newest stays.
+    5: """
+CREATE TABLE idempotency_keys_of_jobs (
+    job         TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    route       TEXT NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    fingerprint BLOB NOT NULL,
+    generation  INTEGER NOT NULL,
+    holder      TEXT,
+    status      INTEGER,
+    headers     TEXT,
+    body        BLOB,
+    created_at  REAL NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (job, key)
+) WITHOUT ROWID;
+INSERT INTO idempotency_keys_of_jobs (job, key, route, state, fingerprint, generation,
+    holder, status, headers, body, created_at, expires_at)
+SELECT job, key, route, state, fingerprint, generation, holder, status, headers, body,
+    created_at, expires_at
+FROM idempotency_keys k WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys o
+    WHERE o.job = k.job AND o.key = k.key
+    AND (o.created_at > k.created_at OR (o.created_at = k.created_at AND o.route > k.route)));
+DROP TABLE idempotency_keys;
+ALTER TABLE idempotency_keys_of_jobs RENAME TO idempotency_keys;
+CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
+""",
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 # A key past its time still counts while it is in flight for a write holding its
@@ -123,7 +153,7 @@ SCHEMA_VERSION = max(_MIGRATIONS)
 _KEY_SQL = (
     "SELECT k.state, k.fingerprint, k.status, k.headers, k.body, EXISTS (SELECT 1 FROM"
     " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > :now)"
-    " FROM idempotency_keys k WHERE k.route = :route AND k.job = :job AND k.key = :key"
+    " FROM idempotency_keys k WHERE k.job = :job AND k.key = :key"
     " AND (k.expires_at > :now OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM"
     " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > :now)))"
 )
@@ -219,7 +249,7 @@ class SQLiteStore(Store):
             current = tx.fence(write.job)
             record = None
             if write.key is not None:
-                key = {"now": now, "route": write.route, "job": write.job, "key": write.key}
+                key = {"now": now, "job": write.job, "key": write.key}
                 record = key_record(tx.one(_KEY_SQL, key))
             lease = lease_record(tx.one(_LEASE_SQL, (write.job,))) if write.check_lease else None
             decision = decide_write(write, current, record, lease, now)
@@ -289,9 +319,9 @@ class SQLiteStore(Store):
     async def forget_key(self, write: FencedWrite) -> None:
         def op(tx: _Batch) -> None:
             if not tx.write(
-                "DELETE FROM idempotency_keys WHERE route = ? AND job = ? AND key = ?"
+                "DELETE FROM idempotency_keys WHERE job = ? AND key = ?"
                 " AND state = 'in_flight' AND holder = ?",
-                (write.route, write.job, write.key, write.turn),
+                (write.job, write.key, write.turn),
             ):
                 key_not_held(write, "forget")
 
@@ -386,12 +416,10 @@ class SQLiteStore(Store):
             # Remembered for the key's time from its outcome, however long it was in flight.
             if not tx.write(
                 f"UPDATE idempotency_keys SET {assignments}, expires_at = max(expires_at, ?)"
-                " WHERE route = ? AND job = ? AND key = ? AND state = 'in_flight'"
-                " AND holder = ?",
+                " WHERE job = ? AND key = ? AND state = 'in_flight' AND holder = ?",
                 (
                     *params,
                     self._clock() + self._key_ttl,
-                    write.route,
                     write.job,
                     write.key,
                     write.turn,
@@ -543,9 +571,9 @@ def _give_back(tx: _Batch, write: FencedWrite) -> None:
     tx.write("DELETE FROM inflight WHERE job = ? AND holder = ?", (write.job, write.turn))
     if write.key is not None:
         tx.write(
-            "DELETE FROM idempotency_keys WHERE route = ? AND job = ? AND key = ?"
+            "DELETE FROM idempotency_keys WHERE job = ? AND key = ?"
             " AND state = 'in_flight' AND holder = ?",
-            (write.route, write.job, write.key, write.turn),
+            (write.job, write.key, write.turn),
         )
 
 
