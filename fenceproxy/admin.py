@@ -18,8 +18,11 @@ The metrics are :class:`fenceproxy.metrics.Metrics`.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -27,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .config import Config
 from .edge import problem_response
 from .errors import (
+    MisdirectedRequest,
     NoRoute,
     Refusal,
     RequestMalformed,
@@ -125,6 +129,12 @@ def admin_app(
     @web.middleware
     async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
+            if _from_a_browser(request) and not _own_name(request.host, config().admin):
+                raise MisdirectedRequest(
+                    f"this admin listener answers browsers at an IP address, localhost or "
+                    f"{socket.gethostname()}, not at {request.host!r}: a page elsewhere "
+                    "may have pointed that name here (DNS rebinding)"
+                )
             response: web.StreamResponse = await handler(request)
         except Refusal as refusal:  # a job id that is not one, say
             return problem_response(refusal)
@@ -142,6 +152,29 @@ def admin_app(
     app.router.add_get("/events", events)
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
+
+
+def _from_a_browser(request: web.Request) -> bool:
+    """Whether a browser sent it: they say so (Fetch Metadata), probes and scrapers
+    do not."""
+    headers = request.headers
+    return "Sec-Fetch-Site" in headers or "Sec-Fetch-Mode" in headers or "Origin" in headers
+
+
+def _own_name(host: str, admin: str | None) -> bool:
+    """Whether ``host`` (a Host header) names this listener: an IP address, localhost,
+    this machine's name (no DNS asked) or the admin address's own host. A browser tricked into
+    sending a request here under another name (DNS rebinding) must not read the
+    answer: job ids, holders and keys."""
+    name = urlsplit(f"//{host}").hostname or ""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        own = {"localhost", socket.gethostname().lower()}
+        if admin is not None:
+            own.add((urlsplit(f"//{admin}").hostname or "").lower())
+        return name.lower() in own
+    return True
 
 
 def _job_json(view: JobView) -> dict[str, Any]:

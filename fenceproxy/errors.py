@@ -267,6 +267,10 @@ class NoRoute(Refusal):
     slug, status, title = "no-route", 404, "No route matches this path"
 
 
+class MisdirectedRequest(Refusal):
+    slug, status, title = "misdirected-request", 421, "Not a name this listener answers to"
+
+
 class BodyTooLarge(Refusal):
     slug, status, title = "body-too-large", 413, "Request body too large"
 

@@ -357,3 +357,16 @@ async def test_the_page_escapes_what_clients_sent_and_allows_only_its_own_script
     assert script.headers["Content-Type"].startswith("text/javascript")
     not_a_job = await (await admin.get("/", params={"job": "\x01"})).text()
     assert "must be 1 to 256 bytes" in not_a_job
+
+
+async def test_a_browser_sent_here_under_another_name_reads_nothing(admin: Client) -> None:
+    """DNS rebinding: a page at evil.example re-points its name at this listener, and
+    the browser sends its requests here with that name as the Host."""
+    browser = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
+    for path in ("/", "/events", "/jobs", "/metrics"):
+        refused = await admin.get(path, headers={**browser, "Host": "evil.example:9901"})
+        await problem(refused, 421, "misdirected-request")
+    for host in ("127.0.0.1:9901", "[::1]:9901", "localhost:9901", "10.1.2.3"):
+        assert (await admin.get("/events", headers={**browser, "Host": host})).status == 200
+    # Probes and scrapers are no browsers: they may use any name (a service's, say).
+    assert (await admin.get("/metrics", headers={"Host": "fenceproxy-admin:9901"})).status == 200
