@@ -100,6 +100,7 @@ __all__ = [
     "LeaseUnauthenticated",
     "ListenError",
     "MethodOverrideMalformed",
+    "MisdirectedRequest",
     "NoRoute",
     "ProxyBusy",
     "Refusal",
