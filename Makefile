@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 
 .PHONY: demo test servers lint typecheck pytest chaos bench audit lock clean
 
@@ -28,10 +29,17 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --require-hashes -r $(LOCK)
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo needs the proxy and a client, not the tools: requirements/server.lock.
+$(DEMO_STAMP): pyproject.toml requirements/server.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --require-hashes -r requirements/server.lock
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(DEMO_STAMP)
 
 ## The worked example on loopback with the embedded SQLite store.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/fenceproxy demo
 
 ## Lint, types and the whole test suite.
@@ -91,8 +99,11 @@ audit: $(STAMP)
 ## Regenerate the lock files from pyproject.toml (and requirements/build.in).
 lock: $(STAMP)
 	$(BIN)/pip install --quiet 'pip-tools>=7.4'
-	$(COMPILE) --extra test --extra dev --extra fast -o $(LOCK) pyproject.toml requirements/build.in
-	$(COMPILE) --extra fast -c $(LOCK) -o requirements/server.lock pyproject.toml requirements/build.in
+	$(COMPILE) --extra server --extra test --extra dev --extra fast -o $(LOCK) \
+	  pyproject.toml requirements/build.in
+	$(COMPILE) --extra server --extra fast -c $(LOCK) -o requirements/server.lock \
+	  pyproject.toml requirements/build.in
+	$(COMPILE) -c $(LOCK) -o requirements/client.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -3,13 +3,20 @@
 Put it in front of an HTTP API that cannot check fencing tokens itself: it keeps
 the highest generation accepted per job, durably, and refuses older generations
 and retried duplicates before they reach the API. Its lease API hands workers
-their generations; :class:`LeaseClient` keeps a lease and stops a worker's work
-the moment it is lost.
+their generations; :class:`LeaseClient` (async) and :class:`SyncLeaseClient` keep a
+lease and stop a worker's work the moment it is lost.
+
+The clients need only httpx (``pip install fenceproxy``); the proxy's own names
+(:class:`FenceProxy`, :func:`serve`, the stores, the config) load its server
+libraries when first used (``pip install 'fenceproxy[server]'``).
 """
 
-from .app import FenceProxy, serve
-from .client import LeaseClient
-from .config import Config, load_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .client import LeaseClient, SyncLeaseClient
 from .errors import (
     ConfigError,
     FenceProxyError,
@@ -19,7 +26,11 @@ from .errors import (
     Refusal,
     StoreError,
 )
-from .store import SQLiteStore, Store, open_store
+
+if TYPE_CHECKING:
+    from .app import FenceProxy, serve
+    from .config import Config, load_config
+    from .store import SQLiteStore, Store, open_store
 
 __all__ = [
     "Config",
@@ -34,9 +45,28 @@ __all__ = [
     "SQLiteStore",
     "Store",
     "StoreError",
+    "SyncLeaseClient",
     "load_config",
     "open_store",
     "serve",
 ]
 
 __version__ = "0.1.0"
+
+_SERVER = {
+    "FenceProxy": "app",
+    "serve": "app",
+    "Config": "config",
+    "load_config": "config",
+    "SQLiteStore": "store",
+    "Store": "store",
+    "open_store": "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The proxy's names, imported on first use (so a worker never loads them)."""
+    module = _SERVER.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fenceproxy' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

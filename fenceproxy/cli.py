@@ -12,12 +12,9 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .app import notify_systemd, serve
-from .client import LeaseClient
-from .config import Config, load_config, parse_listen, parse_store_url
-from .demo import run_demo
+from .client import SyncLeaseClient
 from .errors import (
     ConfigError,
     FenceProxyError,
@@ -29,8 +26,13 @@ from .errors import (
 )
 from .jobs_cli import add_jobs_parser, run_jobs
 from .log import access_log, configure_logging, server_log
-from .store import check_store, migrate_store
-from .tokens import generate_key
+
+if TYPE_CHECKING:
+    from .config import Config
+
+# The commands that run the proxy or its store, and need its server libraries
+# (pip install 'fenceproxy[server]'); the others need only the client's.
+_SERVER_COMMANDS = frozenset({"serve", "check-config", "migrate", "demo", "chaos"})
 
 __all__ = ["main"]
 
@@ -40,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="fenceproxy",
         description="A reverse proxy that refuses stale and duplicate fenced writes.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"fenceproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -128,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Config:
+    from .config import load_config
+
     overrides = {
         key: value
         for key in ("listen", "store", "admin")
@@ -137,6 +144,9 @@ def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Co
 
 
 def _serve(config: Config, args: argparse.Namespace) -> None:
+    from .app import notify_systemd, serve
+    from .config import parse_listen, parse_store_url
+
     logging.basicConfig(level=args.log_level, handlers=[logging.StreamHandler()])
     configure_logging(config.log_format, config.log_levels)
     host, port = parse_listen(config.listen)
@@ -192,25 +202,26 @@ def _lease_token(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
         parser.error(f"--token-file: cannot read {args.token_file}: {exc}")
 
 
-async def _lease(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, token: str | None
-) -> int:
+def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace, token: str | None) -> int:
     if args.action != "show" and not args.owner and token is None:
         parser.error(f"lease {args.action} needs --owner")
     if args.action in ("renew", "complete", "release") and args.generation is None:
         parser.error(f"lease {args.action} needs --generation")
-    async with LeaseClient(args.url, prefix=args.prefix, token=token) as client:
+    try:
+        client = SyncLeaseClient(args.url, prefix=args.prefix, token=token)
+    except ValueError as exc:
+        parser.error(f"--url: {exc}")
+    with client:
         try:
             if args.action == "claim":
-                reply = (await client.claim(args.job, args.owner, args.ttl)).record
+                reply = client.claim(args.job, args.owner, args.ttl).record
             elif args.action == "renew":
-                grant = await client.renew(args.job, args.owner, args.generation, args.ttl)
-                reply = grant.record
+                reply = client.renew(args.job, args.owner, args.generation, args.ttl).record
             elif args.action == "show":
-                reply = await client.show(args.job)
+                reply = client.show(args.job)
             else:
                 call = client.complete if args.action == "complete" else client.release
-                reply = await call(args.job, args.owner, args.generation)
+                reply = call(args.job, args.owner, args.generation)
         except LeaseRefused as exc:
             print(json.dumps(exc.problem, indent=2))
             return 1
@@ -223,6 +234,18 @@ async def _lease(
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in _SERVER_COMMANDS:
+        try:
+            import aiohttp  # noqa: F401
+            import pydantic  # noqa: F401
+            import yaml  # noqa: F401
+        except ImportError as exc:
+            print(
+                f"fenceproxy: {argv[0]} needs the proxy's libraries ({exc.name} is not "
+                "installed): pip install 'fenceproxy[server]'",
+                file=sys.stderr,
+            )
+            return 2
     if argv[:1] == ["chaos"]:
         from .chaos import main as chaos_main  # only this command needs it
 
@@ -233,14 +256,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
+        from .demo import run_demo
+
         return asyncio.run(run_demo())
     if args.command == "keys":
+        from .tokens import generate_key
+
         print(generate_key())
         return 0
     if args.command == "lease":
-        return asyncio.run(_lease(parser, args, _lease_token(parser, args)))
+        return _lease(parser, args, _lease_token(parser, args))
     if args.command == "jobs":
         return run_jobs(parser, args)
+    from .config import parse_store_url
+    from .store import check_store, migrate_store
+
     try:
         config = _load(args)
         if args.command == "check-config":

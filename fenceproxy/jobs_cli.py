@@ -9,7 +9,6 @@ problem is printed), 3 when it cannot be reached.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
 import sys
@@ -17,12 +16,11 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
-from yarl import URL
+import httpx
 
 __all__ = ["add_jobs_parser", "run_jobs"]
 
-_TIMEOUT = aiohttp.ClientTimeout(total=10)
+_TIMEOUT = httpx.Timeout(10.0)
 
 
 def add_jobs_parser(commands: Any) -> None:
@@ -64,20 +62,13 @@ def run_jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     else:
         url = f"{base}/jobs"
         params = {"prefix": args.prefix, "after": args.after, "limit": str(args.limit)}
-    return asyncio.run(_ask(args, base, url, params))
-
-
-async def _ask(args: argparse.Namespace, base: str, url: str, params: dict[str, str]) -> int:
     try:
-        async with (
-            aiohttp.ClientSession(timeout=_TIMEOUT) as session,
-            session.get(URL(url, encoded=True).with_query(params)) as response,
-        ):
-            body = await response.json(content_type=None)
-            ok = response.status == 200
+        answer = httpx.get(url, params=params, timeout=_TIMEOUT)
+        body = answer.json()
+        ok = answer.status_code == 200
         if not isinstance(body, dict) or (ok and not _answers(args.action, body)):
             raise ValueError("that is not a fenceproxy admin listener's answer")
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+    except (httpx.HTTPError, ValueError) as exc:
         print(f"fenceproxy: cannot ask {base}: {exc or type(exc).__name__}", file=sys.stderr)
         return 3
     if not ok:

@@ -1,7 +1,7 @@
 """The lock files install what pyproject.toml asks for: every requirement pinned at a
-version its bounds allow, every pin with its hashes, and the server's lock at the
-same versions as the one CI installs. A dependency changed in pyproject.toml without
-``make lock`` fails here."""
+version its bounds allow, every pin with its hashes, the server's and the client's
+locks at the same versions as the one CI installs, the client's without the server's
+libraries. A dependency changed in pyproject.toml without ``make lock`` fails here."""
 
 from __future__ import annotations
 
@@ -40,7 +40,11 @@ def requirements(*extras: str) -> list[Requirement]:
 
 @pytest.mark.parametrize(
     ("lock", "extras"),
-    [("dev.lock", ("test", "dev", "fast")), ("server.lock", ("fast",))],
+    [
+        ("dev.lock", ("server", "test", "dev", "fast")),
+        ("server.lock", ("server", "fast")),
+        ("client.lock", ()),
+    ],
 )
 def test_every_requirement_is_pinned_within_its_bounds_with_hashes(
     lock: str, extras: tuple[str, ...]
@@ -56,13 +60,21 @@ def test_every_requirement_is_pinned_within_its_bounds_with_hashes(
         assert hashes >= 1
 
 
-def test_the_server_lock_is_the_tested_versions() -> None:
+@pytest.mark.parametrize("lock", ["server.lock", "client.lock"])
+def test_the_deployed_locks_are_the_tested_versions(lock: str) -> None:
     tested = pins("dev.lock")
-    for name, (version, _) in pins("server.lock").items():
+    for name, (version, _) in pins(lock).items():
         assert tested[name][0] == version, name
 
 
+def test_the_client_lock_holds_none_of_the_servers_libraries() -> None:
+    client = pins("client.lock")
+    for requirement in requirements("server", "fast"):
+        if requirement not in requirements():
+            assert canonicalize_name(requirement.name) not in client, requirement
+
+
 def test_aiohttp_is_at_least_the_release_that_fixed_the_response_parser() -> None:
-    (aiohttp,) = [r for r in requirements() if r.name == "aiohttp"]
+    (aiohttp,) = [r for r in requirements("server") if r.name == "aiohttp"]
     assert not aiohttp.specifier.contains("3.14.2")
     assert pins("server.lock")["aiohttp"][0] >= Version("3.14.3")

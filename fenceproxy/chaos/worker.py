@@ -55,7 +55,7 @@ class _Worker:
         timeout = aiohttp.ClientTimeout(total=10)
         async with (
             aiohttp.ClientSession(timeout=timeout) as http,
-            LeaseClient(a.url, session=http, request_timeout=2) as leases,
+            LeaseClient(a.url, request_timeout=2) as leases,
         ):
             while time.monotonic() < end:
                 slot = self.rng.randrange(a.jobs)
