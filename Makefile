@@ -46,8 +46,8 @@ demo: $(DEMO_STAMP)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check fenceproxy tests bench
-	$(BIN)/ruff format --check fenceproxy tests bench
+	$(BIN)/ruff check fenceproxy tests bench examples
+	$(BIN)/ruff format --check fenceproxy tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
