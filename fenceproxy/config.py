@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -237,9 +238,10 @@ class FenceSpec(_Model):
         if not value:
             raise ValueError("at least one method is needed; use fence: false for none")
         for method in value:
-            if not _TOKEN.fullmatch(method) or method != method.upper():
-                raise ValueError(f"{method!r} is not an upper-case HTTP method")
-        return value
+            if not _TOKEN.fullmatch(method):
+                raise ValueError(f"{method!r} is not an HTTP method")
+        # Written as people write them: `post` is POST.
+        return tuple(dict.fromkeys(method.upper() for method in value))
 
     @field_validator("job_header", "token_header", "key_header")
     @classmethod
@@ -436,7 +438,8 @@ class Config(_Model):
     """``json``: one JSON object per line, a decision's fields as its members."""
     log_levels: dict[str, LogLevel] = {}
     """Levels per logger, such as ``fenceproxy.decisions: DEBUG`` (every decision)."""
-    routes: tuple[RouteSpec, ...] = Field(min_length=1)
+    routes: tuple[RouteSpec, ...] = Field(default=(), validate_default=True)
+    """At least one, unless the proxy serves its lease API alone."""
 
     @field_validator("listen", mode="before")
     @classmethod
@@ -525,7 +528,9 @@ class Config(_Model):
 
     @field_validator("routes")
     @classmethod
-    def _unique(cls, value: tuple[RouteSpec, ...]) -> tuple[RouteSpec, ...]:
+    def _unique(cls, value: tuple[RouteSpec, ...], info: ValidationInfo) -> tuple[RouteSpec, ...]:
+        if not value and info.data.get("leases") is None:
+            raise ValueError("at least one route is needed (or leases: for a lease API alone)")
         for attr in ("name", "path"):
             seen: set[str] = set()
             for route in value:

@@ -503,3 +503,27 @@ async def test_compressed_answers_pass_untouched(
     response = await proxy.get("/billing/x", auto_decompress=False)
     assert response.headers["Content-Encoding"] == "gzip"
     assert await response.read() == packed
+
+
+async def test_a_method_in_lower_case_never_passes_a_route_fencing_it(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Many servers take `post` for POST; the parser refuses it before any route, so it
+    cannot pass unfenced a route that fences POST (written `post` in the config)."""
+    routes = [{"name": "billing", "path": "/billing/", "upstream": upstream.url,
+               "fence": {"methods": ["post"]}}]  # fmt: skip
+    proxy = await start_proxy(routes)
+    port = proxy.server.port  # type: ignore[union-attr]
+    head = b"post /billing/x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
+    answer = await raw_request(port, head)
+    assert answer.split(b"\r\n")[0].split(b" ")[1] == b"400"
+    assert b"request-malformed" in answer
+    assert upstream.received == []
+
+
+async def test_a_proxy_with_only_its_lease_api_serves_leases_and_nothing_else(
+    start_proxy: ProxyFactory,
+) -> None:
+    proxy = await start_proxy([], leases={})
+    assert (await proxy.post("/_leases/job/claim", json={"owner": "w"})).status == 200
+    await problem(await proxy.post("/billing/x"), 404, "no-route")
