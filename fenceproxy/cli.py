@@ -26,6 +26,7 @@ from .errors import (
 )
 from .jobs_cli import add_jobs_parser, run_jobs
 from .log import access_log, configure_logging, server_log
+from .units import parse_duration
 
 if TYPE_CHECKING:
     from .config import Config
@@ -37,7 +38,19 @@ _SERVER_COMMANDS = frozenset({"serve", "check-config", "migrate", "demo", "chaos
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _duration(text: str) -> float:
+    """A ``--ttl`` as the config takes it: ``30``, ``30s``, ``500ms``, ``5m``."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("must be above 0")
+    return seconds
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser, and each command's own (whose usage its errors print)."""
     parser = argparse.ArgumentParser(
         prog="fenceproxy",
         description="A reverse proxy that refuses stale and duplicate fenced writes.",
@@ -127,9 +140,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     lease.add_argument("--token-file", metavar="FILE", help="a file holding the credential")
     lease.add_argument("--generation", type=int, help="the lease's generation (renew, ...)")
-    lease.add_argument("--ttl", type=float, help="seconds (claim, renew)")
+    lease.add_argument(
+        "--ttl", type=_duration, help="how long the lease lasts: 30, 30s, 500ms, 5m (claim, renew)"
+    )
     add_jobs_parser(commands)
-    return parser
+    return parser, dict(commands.choices)
 
 
 def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Config:
@@ -223,6 +238,11 @@ def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace, token: str
                 call = client.complete if args.action == "complete" else client.release
                 reply = call(args.job, args.owner, args.generation)
         except LeaseRefused as exc:
+            fence = exc.problem.get("fence_generation")
+            if args.action == "show" and fence is not None:  # no lease, and yet fenced
+                print(json.dumps({"job_id": args.job, "lease": None, "fence_generation": fence},
+                                 indent=2))  # fmt: skip
+                return 0
             print(json.dumps(exc.problem, indent=2))
             return 1
         except (LeaseServiceError, LeaseLost) as exc:
@@ -253,8 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         # Until serve handles it, SIGHUP (a reload) would end the process.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    parser = _parser()
+    parser, commands = _parser()
     args = parser.parse_args(argv)
+    command = commands[args.command]  # a usage error names this command's usage
     if args.command == "demo":
         from .demo import run_demo
 
@@ -265,9 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(generate_key())
         return 0
     if args.command == "lease":
-        return _lease(parser, args, _lease_token(parser, args))
+        return _lease(command, args, _lease_token(command, args))
     if args.command == "jobs":
-        return run_jobs(parser, args)
+        return run_jobs(command, args)
     from .config import parse_store_url
     from .store import check_store, migrate_store
 

@@ -42,6 +42,7 @@ from yarl import URL
 from .errors import ConfigError
 from .lease_auth import SECRET, LeaseCredentials
 from .tokens import KEY_ID, SigningKeys, decode_key
+from .units import parse_duration, parse_size
 
 __all__ = [
     "Config",
@@ -68,13 +69,6 @@ S = TypeVar("S", bound="_SecretSpec")
 
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?", re.ASCII)
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-_SIZE = re.compile(r"([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?", re.ASCII)
-_SIZE_UNITS = {
-    None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
-    "KB": 1000, "MB": 1000**2, "GB": 1000**3,
-}  # fmt: skip
 
 
 def _duration(value: Any) -> Any:
@@ -82,10 +76,7 @@ def _duration(value: Any) -> Any:
     if isinstance(value, bool):  # YAML's yes/no/on/off are not numbers
         raise ValueError("expected seconds or a duration such as 30s, not a yes/no value")
     if isinstance(value, str):
-        m = _DURATION.fullmatch(value.strip())
-        if m is None:
-            raise ValueError("expected seconds or a duration such as 250ms, 30s, 5m, 24h, 7d")
-        return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        return parse_duration(value)
     return value
 
 
@@ -94,10 +85,7 @@ def _size(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("expected bytes or a size such as 10MiB, not a yes/no value")
     if isinstance(value, str):
-        m = _SIZE.fullmatch(value.strip())
-        if m is None:
-            raise ValueError("expected bytes or a size such as 512KiB, 10MiB")
-        return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+        return parse_size(value)
     return value
 
 

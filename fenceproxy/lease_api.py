@@ -173,8 +173,16 @@ class LeaseService:
         return await self._end(request, job, caller, "release", leasing.release)
 
     async def show(self, request: web.BaseRequest, job: str) -> web.Response:
-        lease, now = await self._store().lease(job)
+        store = self._store()
+        lease, now = await store.lease(job)
         if lease is None:
+            fence = await store.generation(job)
+            if fence is not None:  # written to with generations from elsewhere
+                raise LeaseNotFound(
+                    f"no lease was ever taken on job {job!r}; its fence is at generation {fence}",
+                    job_id=job,
+                    fence_generation=fence,
+                )
             raise LeaseNotFound(f"no lease was ever taken on job {job!r}", job_id=job)
         # A signed token is handed to its holder only (claim, renew), never to whoever
         # looks the job up: it would let them write as the holder.

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import shlex
 import signal
 import sys
@@ -291,9 +292,17 @@ async def _until_terminated(run: Any) -> Report:
     return result
 
 
+def _for_people(doc: str) -> str:
+    """A docstring as help text: without its reST markup (``x``, :mod:`.y`)."""
+    doc = re.sub(r":[a-z]+:`\.?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="fenceproxy chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="fenceproxy chaos",
+        description=_for_people(__doc__ or ""),
+        formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of work")
     parser.add_argument("--workers", type=int, default=6)
