@@ -217,6 +217,9 @@ class FenceSpec(_Model):
     check_lease: bool = False
     """Forward a write only while the job's lease at the token's generation is live on
     the store's clock: refused after it expired, was released or completed."""
+    mode: Literal["enforce", "report"] = "enforce"
+    """``report``: decide as ``enforce`` does, forward what it would refuse or replay
+    anyway, marked with ``Fencing-Decision``, counted and logged: a rollout's first step."""
 
     @field_validator("methods")
     @classmethod

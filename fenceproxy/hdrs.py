@@ -8,6 +8,7 @@ __all__ = [
     "DEFAULT_JOB",
     "DEFAULT_KEY",
     "DEFAULT_TOKEN",
+    "FENCING_DECISION",
     "HOP_BY_HOP",
     "IDEMPOTENT_REPLAYED",
     "METHOD_OVERRIDES",
@@ -24,6 +25,8 @@ DEFAULT_TOKEN = istr("Fencing-Token")
 DEFAULT_KEY = istr("Idempotency-Key")
 
 IDEMPOTENT_REPLAYED = istr("Idempotent-Replayed")
+FENCING_DECISION = istr("Fencing-Decision")
+"""On a report-only route: what enforcing would have done with a write it forwarded."""
 
 # Headers with which many frameworks let a request name another method than its own
 # (a GET with X-HTTP-Method-Override: DELETE is a DELETE to them).

@@ -35,6 +35,7 @@ Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -77,7 +78,7 @@ from .http1 import UpstreamResponse
 from .log import decision_log, proxy_log
 from .metrics import Metrics
 from .recent import Event
-from .routes import Route, Router
+from .routes import Fence, Route, Router
 from .store import Store
 from .tokens import SigningKeys, read_token
 from .upstream import (
@@ -88,7 +89,7 @@ from .upstream import (
     response_headers,
 )
 
-__all__ = ["Proxy", "ProxySettings"]
+__all__ = ["WOULD_REFUSE", "Proxy", "ProxySettings"]
 
 T = TypeVar("T")
 # What became of an admitted keyed write: the upstream's answer, or one of these.
@@ -99,6 +100,29 @@ _BUFFERED = 64 * 1024
 _SETTLE_RETRY = 1.0
 # An admitted write is sent only this soon after its admission was asked for: its
 # in-flight record lasts the route's timeout plus quarantine plus this.
+WOULD_REFUSE = frozenset(
+    {
+        "fencing-header-missing",
+        "fencing-header-malformed",
+        "idempotency-key-malformed",
+        "method-override-malformed",
+        "token-rejected",
+        "stale-generation",
+        "lease-not-live",
+        "duplicate-in-flight",
+        "duplicate-outcome-unknown",
+        "duplicate-rejected",
+        "duplicate-not-stored",
+        "idempotency-key-reused",
+        "job-quarantined",
+        "store-unavailable",
+    }
+)
+"""The fencing decisions a report-only route forwards anyway: every refusal of a
+write that enforcing would not send. Never the request's own faults (a body too
+large, too slow, malformed framing) nor the upstream's (unreachable, timed out): those
+are answered alike in both modes."""
+
 _TURN_SLACK = 1.0
 _BUSY_POLL_FIRST = 0.002
 _BUSY_POLL_MAX = 0.05
@@ -174,13 +198,25 @@ class Proxy:
             return await self._pass_through(request, route, target)
         h = request.headers
         aliases = _underscored(h)
-        override = parse_method_override(
-            [
-                (str(name), value)
-                for name in hdrs.METHOD_OVERRIDES
-                for value in _values(h, name, aliases)
-            ]
-        )
+        try:
+            override = parse_method_override(
+                [
+                    (str(name), value)
+                    for name in hdrs.METHOD_OVERRIDES
+                    for value in _values(h, name, aliases)
+                ]
+            )
+        except Refusal as refusal:
+            if not (fence.report and refusal.slug in WOULD_REFUSE):
+                raise
+            started = time.monotonic()
+            response = await self._report(request, route, target, None, refusal.slug)
+            event = self._decided(
+                route, _Seen(), _decision(response), response.status, started, None
+            )
+            if decision_log.isEnabledFor(logging.INFO):
+                _log_decision(logging.INFO, event)
+            return response
         if fence.fences(request.method) or (override is not None and fence.fences(override)):
             seen = _Seen()
             started = time.monotonic()
@@ -195,11 +231,12 @@ class Proxy:
                     refusal.logged = True
                     _log_decision(logging.INFO, event)
                 raise
-            replayed = hdrs.IDEMPOTENT_REPLAYED in response.headers
-            decision = "replayed" if replayed else "forwarded"
+            decision = _decision(response)
             event = self._decided(route, seen, decision, response.status, started, None)
-            if decision_log.isEnabledFor(logging.DEBUG):
-                _log_decision(logging.DEBUG, event)
+            # What a report-only route would have refused is told as a refusal is.
+            level = logging.INFO if decision.startswith("would-") else logging.DEBUG
+            if decision_log.isEnabledFor(level):
+                _log_decision(level, event)
             return response
         return await self._pass_through(request, route, target)
 
@@ -230,18 +267,19 @@ class Proxy:
     # -- unfenced ---------------------------------------------------------------
 
     async def _pass_through(
-        self, request: web.BaseRequest, route: Route, target: str
+        self, request: web.BaseRequest, route: Route, target: str, mark: str | None = None
     ) -> web.StreamResponse:
+        """Forward as it came; ``mark``, when given, is the answer's Fencing-Decision."""
         _check_length(request, route)
         length = request.content_length
         if length is not None and length <= _BUFFERED:
             held = await self._bodies.read(request, route.max_body)  # one write upstream
             try:
-                return await self._send(request, route, target, length, held)
+                return await self._send(request, route, target, length, held, mark)
             finally:
                 held.release()
         stream = self._bodies.stream(request, route.max_body) if request.body_exists else None
-        return await self._send(request, route, target, length, stream)
+        return await self._send(request, route, target, length, stream, mark)
 
     async def _send(
         self,
@@ -250,6 +288,7 @@ class Proxy:
         target: str,
         length: int | None,
         body: HeldBody | AsyncIterator[bytes] | None,
+        mark: str | None = None,
     ) -> web.StreamResponse:
         headers = forwarded_headers(request, self._trusted, length)
         if isinstance(body, HeldBody):
@@ -258,9 +297,26 @@ class Proxy:
         else:
             upstream = await self._upstreams.send(route, request.method, target, headers, body)
         try:
-            return await _relay(request, upstream, self._send_timeout)
+            return await _relay(request, upstream, self._send_timeout, mark=mark)
         finally:
             upstream.release()
+
+    async def _report(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        target: str,
+        held: HeldBody | None,
+        kind: str,
+    ) -> web.StreamResponse:
+        """Report only: a write enforcing would refuse (``kind``, its problem kind) or
+        answer from its key (``replayed``) goes to the upstream as it came, unfenced,
+        and the answer says so. Nothing of it is recorded, as enforcing would record
+        nothing of it."""
+        mark = "would-replay" if kind == "replayed" else f"would-refuse; kind={kind}"
+        if held is None:  # refused on its headers: the body is still unread
+            return await self._pass_through(request, route, target, mark)
+        return await self._send(request, route, target, len(held.data), held, mark)
 
     # -- fenced -----------------------------------------------------------------
 
@@ -276,6 +332,49 @@ class Proxy:
     ) -> web.StreamResponse:
         fence = route.fence
         assert fence is not None
+        try:
+            write, headers = self._fenced_write(
+                request, route, fence, target, path_job, override, aliases, seen
+            )
+        except Refusal as refusal:
+            if fence.report and refusal.slug in WOULD_REFUSE:
+                return await self._report(request, route, target, None, refusal.slug)
+            raise
+        held = await self._bodies.read(request, route.max_body)
+        try:
+            if write.key is not None:
+                fp = fingerprint(request.method, target, held.data, override)
+                write = dataclasses.replace(write, fingerprint=fp)
+            try:
+                if write.key is None:
+                    response = await self._forward_fenced(
+                        request, route, target, write, headers, held
+                    )
+                else:
+                    response = await self._keyed(request, route, target, write, headers, held)
+            except Refusal as refusal:
+                if fence.report and refusal.slug in WOULD_REFUSE:
+                    return await self._report(request, route, target, held, refusal.slug)
+                raise
+            if fence.report and hdrs.IDEMPOTENT_REPLAYED in response.headers:
+                return await self._report(request, route, target, held, "replayed")
+            return response
+        finally:
+            held.release()
+
+    def _fenced_write(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        fence: Fence,
+        target: str,
+        path_job: str | None,
+        override: str | None,
+        aliases: list[tuple[str, str]],
+        seen: _Seen,
+    ) -> tuple[FencedWrite, CIMultiDict[str]]:
+        """The write its headers describe (its fingerprint still to come from the
+        body), and the headers it goes on with; a refusal raised."""
         h = request.headers
         header_job, raw_token, raw_key = (
             single_field(_values(h, name, aliases), str(name))
@@ -307,24 +406,16 @@ class Proxy:
         key = seen.key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
-        held = await self._bodies.read(request, route.max_body)
-        try:
-            fp = None if key is None else fingerprint(request.method, target, held.data, override)
-            write = FencedWrite(
-                route.name,
-                job,
-                generation,
-                key=key,
-                fingerprint=fp,
-                replay=fence.replay,
-                hold=_in_flight_for(route) + route.quarantine + _TURN_SLACK,
-                check_lease=fence.check_lease,
-            )
-            if key is None:
-                return await self._forward_fenced(request, route, target, write, headers, held)
-            return await self._keyed(request, route, target, write, headers, held)
-        finally:
-            held.release()
+        write = FencedWrite(
+            route.name,
+            job,
+            generation,
+            key=key,
+            replay=fence.replay,
+            hold=_in_flight_for(route) + route.quarantine + _TURN_SLACK,
+            check_lease=fence.check_lease,
+        )
+        return write, headers
 
     async def _keyed(
         self,
@@ -587,6 +678,15 @@ def _log_decision(level: int, event: Event) -> None:
     )
 
 
+def _decision(response: web.StreamResponse) -> str:
+    """What became of a fenced write that was answered: ``forwarded``, ``replayed``,
+    or on a report-only route ``would-replay`` or ``would-<kind>`` of the refusal."""
+    mark = response.headers.get(hdrs.FENCING_DECISION)
+    if mark is not None:
+        return "would-replay" if mark == "would-replay" else "would-" + mark.partition("=")[2]
+    return "replayed" if hdrs.IDEMPOTENT_REPLAYED in response.headers else "forwarded"
+
+
 def _in_flight_for(route: Route) -> float:
     """The longest a fenced write may take from its send to the upstream's answer:
     connecting, sending the body, waiting. The job's in-flight record covers it."""
@@ -658,6 +758,7 @@ async def _relay(
     upstream: UpstreamResponse,
     send_timeout: float,
     prefix: bytes = b"",
+    mark: str | None = None,
 ) -> web.StreamResponse:
     """Stream the upstream's answer (after ``prefix``, already read from it) to the
     client. If the upstream breaks off mid-answer, or the client takes nothing for
@@ -667,10 +768,15 @@ async def _relay(
     if request.method != "HEAD" and upstream.status not in _NO_BODY:
         whole = upstream.received_whole()
         if whole is not None:
-            return _answer(upstream, prefix + whole)
+            answer = _answer(upstream, prefix + whole)
+            if mark is not None:
+                answer.headers[hdrs.FENCING_DECISION] = mark
+            return answer
     response = web.StreamResponse(
         status=upstream.status, reason=upstream.reason, headers=response_headers(upstream)
     )
+    if mark is not None:
+        response.headers[hdrs.FENCING_DECISION] = mark
     try:
         await response.prepare(request)
         if prefix:

@@ -41,6 +41,8 @@ class Fence:
     """Only signed tokens are taken (plain integers are refused)."""
     check_lease: bool
     """A write goes only while its job's lease at its generation is live."""
+    report: bool
+    """Report only: what would be refused or replayed is forwarded, marked."""
     fields: frozenset[str]
     """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
 
@@ -91,6 +93,7 @@ class Route:
                 replay=spec.fence.on_duplicate == "replay",
                 signed_only=spec.fence.tokens == "signed",
                 check_lease=spec.fence.check_lease,
+                report=spec.fence.mode == "report",
             )
         pattern = None
         if job_in_path or not spec.match_case:

@@ -95,7 +95,8 @@ def proxy_config(upstream: RecordingUpstream, store_url: str) -> Callable[..., A
         data = {
             "store": store_url,
             "routes": routes
-            or [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
+            if routes is not None
+            else [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
             **top,
         }
         return parse_config(data, "test.yaml")
