@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from importlib.resources import files
 from typing import Annotated, Any
 from urllib.parse import unquote
 
@@ -64,7 +65,17 @@ def _seconds(value: Any) -> Any:
 
 Owner = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_printable)]
 Seconds = Annotated[float, BeforeValidator(_seconds), Field(allow_inf_nan=False)]
-Generation = Annotated[int, Field(ge=0, le=GENERATION_MAX, strict=True)]
+
+
+def _whole(value: Any) -> Any:
+    """JSON has one kind of number: ``7.0`` is the integer 7 (JSON Schema says so, and
+    JavaScript sends it so). Never a string or a boolean."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Generation = Annotated[int, BeforeValidator(_whole), Field(ge=0, le=GENERATION_MAX, strict=True)]
 
 
 class _Body(BaseModel):
@@ -103,6 +114,10 @@ class LeaseService:
         signed (see :mod:`fenceproxy.tokens`); with ``credentials``, every call needs one."""
         self.spec = spec
         self.store: Store | None = None
+        # The API described for clients in any language (OpenAPI 3.1), at this prefix.
+        described = json.loads(files(__package__).joinpath("static", "lease-api.json").read_bytes())
+        self._openapi = json.dumps(_described(described, spec, credentials)).encode()
+        self._openapi_path = f"{self.spec.prefix}/openapi.json"
         self._keys = keys
         self._credentials = credentials
         self._bodies = bodies
@@ -117,6 +132,8 @@ class LeaseService:
     async def handle(self, request: web.BaseRequest, path: str) -> web.Response:
         """Answer a request whose raw ``path`` is under the prefix; everything under
         it is the lease API's, never an upstream's."""
+        if path == self._openapi_path and request.method in ("GET", "HEAD"):
+            return web.Response(body=self._openapi, content_type="application/json")
         caller = None
         if self._credentials is not None:  # before anything else is told
             caller = self._credentials.authenticate(request.headers.get("Authorization"))
@@ -278,6 +295,21 @@ class LeaseService:
                 else self._keys.sign(lease.job_id, lease.generation)
             )
         return web.json_response(answer)
+
+
+def _described(
+    document: dict[str, Any], spec: LeasesSpec, credentials: LeaseCredentials | None
+) -> dict[str, Any]:
+    """The OpenAPI file as this proxy serves it: at its prefix, with its ttl bounds,
+    and the owner optional where a credential names it."""
+    document["servers"] = [{"url": spec.prefix}]
+    schemas = document["components"]["schemas"]
+    schemas["Ttl"]["minimum"], schemas["Ttl"]["maximum"] = spec.min_ttl, spec.max_ttl
+    if credentials is not None:
+        for body in ("Claim", "Renew", "Holder"):
+            schemas[body]["required"].remove("owner")
+        document["security"] = [{"bearer": []}]
+    return document
 
 
 def _job(segment: str) -> str:

@@ -1,0 +1,77 @@
+"""The lease API against its OpenAPI file (``fenceproxy/static/lease-api.json``), the
+description clients in other languages are generated from: served at
+``{prefix}/openapi.json``, and checked by schemathesis against a running proxy, every
+answer (a success or a refusal) of the status, type and shape the file says."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from fenceproxy.testing import free_port
+
+SPEC = files("fenceproxy").joinpath("static", "lease-api.json")
+schema = schemathesis.openapi.from_path(str(SPEC))
+
+
+@pytest.fixture(scope="module")
+def lease_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real proxy serving its lease API alone, with its prefix elsewhere than the
+    file's default: the served file says where it is."""
+    folder = tmp_path_factory.mktemp("openapi")
+    config = folder / "proxy.yaml"
+    config.write_text(f"store: sqlite:///{folder / 'fences.db'}\nleases: {{prefix: /leases}}\n")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fenceproxy", "serve", "-c", str(config),
+         "--listen", f"127.0.0.1:{port}", "--admin", "off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # until it accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_the_api_serves_its_description_at_its_prefix(lease_api: str) -> None:
+    with urllib.request.urlopen(f"{lease_api}/leases/openapi.json") as answer:
+        assert answer.headers["Content-Type"].startswith("application/json")
+        served = json.load(answer)
+    shipped = json.loads(SPEC.read_text())
+    assert served["servers"] == [{"url": "/leases"}]
+    assert {**served, "servers": shipped["servers"]} == shipped
+    assert sorted(served["paths"]) == [
+        "/{job}", "/{job}/claim", "/{job}/complete", "/{job}/release", "/{job}/renew",
+    ]  # fmt: skip
+
+
+@schema.parametrize()
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_answer_is_what_the_description_says(case: schemathesis.Case, lease_api: str) -> None:
+    case.call_and_validate(base_url=f"{lease_api}/leases")
+
+
+def test_the_shipped_file_is_the_one_in_the_package() -> None:
+    assert Path(str(SPEC)).name == "lease-api.json"
+    assert json.loads(SPEC.read_text())["openapi"] == "3.1.0"
