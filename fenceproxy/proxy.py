@@ -290,7 +290,9 @@ class Proxy:
         body: HeldBody | AsyncIterator[bytes] | None,
         mark: str | None = None,
     ) -> web.StreamResponse:
-        headers = forwarded_headers(request, self._trusted, length)
+        fence = route.fence
+        keep = fence.fields if fence is not None and mark is not None else frozenset()
+        headers = forwarded_headers(request, self._trusted, length, keep=keep)
         if isinstance(body, HeldBody):
             upstream = await self._upstreams.send(route, request.method, target, headers, body.data)
             body.release()  # the upstream has it
@@ -315,8 +317,11 @@ class Proxy:
         nothing of it."""
         mark = "would-replay" if kind == "replayed" else f"would-refuse; kind={kind}"
         if held is None:  # refused on its headers: the body is still unread
-            return await self._pass_through(request, route, target, mark)
-        return await self._send(request, route, target, len(held.data), held, mark)
+            response = await self._pass_through(request, route, target, mark)
+        else:
+            response = await self._send(request, route, target, len(held.data), held, mark)
+        response[_DECISION] = "would-replay" if kind == "replayed" else f"would-{kind}"
+        return response
 
     # -- fenced -----------------------------------------------------------------
 
@@ -356,7 +361,7 @@ class Proxy:
                 if fence.report and refusal.slug in WOULD_REFUSE:
                     return await self._report(request, route, target, held, refusal.slug)
                 raise
-            if fence.report and hdrs.IDEMPOTENT_REPLAYED in response.headers:
+            if fence.report and _decision(response) == "replayed":
                 return await self._report(request, route, target, held, "replayed")
             return response
         finally:
@@ -678,13 +683,16 @@ def _log_decision(level: int, event: Event) -> None:
     )
 
 
+_DECISION = web.ResponseKey("fenceproxy.decision", str)
+"""Where a fenced write's answer carries what became of it, never in its headers,
+which the upstream writes too."""
+
+
 def _decision(response: web.StreamResponse) -> str:
     """What became of a fenced write that was answered: ``forwarded``, ``replayed``,
     or on a report-only route ``would-replay`` or ``would-<kind>`` of the refusal."""
-    mark = response.headers.get(hdrs.FENCING_DECISION)
-    if mark is not None:
-        return "would-replay" if mark == "would-replay" else "would-" + mark.partition("=")[2]
-    return "replayed" if hdrs.IDEMPOTENT_REPLAYED in response.headers else "forwarded"
+    decision: str = response.get(_DECISION, "forwarded")
+    return decision
 
 
 def _in_flight_for(route: Route) -> float:
@@ -750,7 +758,9 @@ def _replay(stored: StoredResponse) -> web.Response:
     assert stored.body is not None
     headers: CIMultiDict[str] = CIMultiDict(stored.headers)
     headers[hdrs.IDEMPOTENT_REPLAYED] = "true"
-    return web.Response(status=stored.status, headers=headers, body=stored.body)
+    response = web.Response(status=stored.status, headers=headers, body=stored.body)
+    response[_DECISION] = "replayed"
+    return response
 
 
 async def _relay(

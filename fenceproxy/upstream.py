@@ -40,7 +40,8 @@ _NOT_FORWARDED = hdrs.lower(
 )
 # What a client may claim about itself; believed only from a trusted proxy.
 _CLIENT_CLAIMS = (istr("Forwarded"), istr("X-Real-IP"))
-_NOT_RETURNED = hdrs.lower(hdrs.HOP_BY_HOP)
+# The proxy's own say about a fenced write: an upstream's would be taken for it.
+_NOT_RETURNED = hdrs.lower(hdrs.HOP_BY_HOP | {hdrs.FENCING_DECISION})
 _NOT_STORED = hdrs.lower(hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA})
 
 

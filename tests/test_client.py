@@ -89,17 +89,19 @@ async def test_unreachable_service_loses_the_lease_at_its_local_deadline(
 
 async def test_headers_are_refused_past_the_local_deadline(service: Client) -> None:
     clock = FakeClock(100.0)
-    async with (
-        LeaseClient(url(service), clock=clock, margin=0.1) as leases,
-        leases.hold("job", owner="a", ttl=30) as lease,
-    ):
-        assert lease.deadline == pytest.approx(100.0 + 27.0)
-        clock.advance(26.9)
-        assert lease.headers()["Fencing-Token"] == "1"
-        clock.advance(0.2)  # frozen past the deadline before the renewal ran
-        assert lease.lost
-        with pytest.raises(LeaseLost, match="local deadline"):
-            lease.headers()
+    # Leaving the block past the deadline says so too, even before the renewer ran.
+    with pytest.raises(LeaseLost, match="no renewal was confirmed before the local deadline"):
+        async with (
+            LeaseClient(url(service), clock=clock, margin=0.1) as leases,
+            leases.hold("job", owner="a", ttl=30) as lease,
+        ):
+            assert lease.deadline == pytest.approx(100.0 + 27.0)
+            clock.advance(26.9)
+            assert lease.headers()["Fencing-Token"] == "1"
+            clock.advance(0.2)  # frozen past the deadline before the renewal ran
+            assert lease.lost
+            with pytest.raises(LeaseLost, match="local deadline"):
+                lease.headers()
 
 
 async def test_a_grant_answered_after_its_deadline_counts_as_lost(service: Client) -> None:

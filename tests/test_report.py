@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.client import refusal_kind
 from fenceproxy.store import open_store
-from fenceproxy.testing import FakeClock, RecordingUpstream
+from fenceproxy.testing import FakeClock, Received, RecordingUpstream
 
 from .conftest import ProxyFactory
 from .test_admin import samples
@@ -137,3 +138,29 @@ async def test_a_would_be_refusal_is_logged_and_shown_as_a_refusal_is(
     )  # fmt: skip
     recent = proxy.server.proxy.metrics.recent  # type: ignore[union-attr]
     assert recent.refusals() == {"would-stale-generation": [1, 1, 1]}
+
+
+@pytest.mark.parametrize("mode", ["report", "enforce"])
+async def test_an_upstreams_own_headers_never_pass_for_the_proxys_decision(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, mode: str
+) -> None:
+    """An API that does idempotency itself answers Idempotent-Replayed; one may even
+    answer Fencing-Decision. Neither makes a write count as replayed or would-be
+    refused, nor sends it twice."""
+
+    async def own_headers(request: web.Request, received: Received) -> web.StreamResponse:
+        headers = {"Idempotent-Replayed": "true", "Fencing-Decision": "would-refuse; kind=x"}
+        return web.Response(text="ok", headers=headers)
+
+    upstream.respond = own_headers
+    proxy = await start_proxy([route(upstream, mode)])
+    fence = {"Fencing-Job": "j", "Fencing-Token": "1", "Idempotency-Key": "k"}
+    answer = await proxy.post("/billing/x", data=b"1", headers=fence)
+    assert answer.status == 200
+    assert "Fencing-Decision" not in answer.headers
+    assert len(upstream.received) == 1
+    metrics = proxy.server.proxy.metrics  # type: ignore[union-attr]
+    counts = samples(metrics.render().decode())
+    outcomes = {dict(labels)["outcome"] for (name, labels) in counts
+                if name == "fenceproxy_decisions_total"}  # fmt: skip
+    assert outcomes == {"forwarded"}

@@ -20,6 +20,7 @@ from fenceproxy.client import (
     LeaseClient,
     LeaseLost,
     LeaseRefused,
+    LeaseServiceError,
     SyncLeaseClient,
     refusal_kind,
 )
@@ -239,3 +240,52 @@ async def test_both_clients_wait_alike(service: Client, clock: FakeClock) -> Non
 def test_a_url_without_a_scheme_is_refused_before_anything_is_sent() -> None:
     with pytest.raises(ValueError, match=r"needs a scheme, such as http://127\.0\.0\.1:8080"):
         SyncLeaseClient("127.0.0.1:8080")
+
+
+async def test_leaving_past_the_deadline_is_never_silent(service: Client) -> None:
+    """A worker paused past its lease reaches the end of its block before the renewer
+    had a turn: it is told all the same."""
+    base = url(service)
+    clock = FakeClock(100.0)
+
+    def worker() -> None:
+        with (
+            SyncLeaseClient(base, clock=clock) as leases,
+            leases.hold("job", owner="w", ttl=30, renew_every=20) as lease,
+        ):
+            clock.advance(28)  # past 100 + 27 before any renewal was due
+            assert lease.lost
+
+    with pytest.raises(LeaseLost, match="no renewal was confirmed before the local deadline"):
+        await in_thread(worker)
+
+
+async def test_a_call_is_over_within_its_time_even_when_its_answer_trickles(
+    aiohttp_server: Any,
+) -> None:
+    """httpx bounds each read; the whole call is bounded too."""
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        for _ in range(40):
+            await response.write(b" ")
+            await asyncio.sleep(0.05)
+        await response.write(b"{}")
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", trickle)
+    server = await aiohttp_server(app)
+    base = str(server.make_url("")).rstrip("/")
+
+    def call() -> float:
+        started = time.monotonic()
+        with SyncLeaseClient(base, request_timeout=0.5) as leases:
+            try:
+                leases.show("job")
+            except LeaseServiceError:
+                return time.monotonic() - started
+        raise AssertionError("a 2 s answer was taken within a 0.5 s call")
+
+    assert await in_thread(call) < 1.5

@@ -165,7 +165,8 @@ class LeaseClient:
         if lost is not None:
             if action == "claim":  # the store thinks we hold it: give it back
                 with contextlib.suppress(Exception):
-                    await self.release(job, body.get("owner"), grant.generation, within=2.0)
+                    within = min(self.request_timeout, 2.0)
+                    await self.release(job, body.get("owner"), grant.generation, within=within)
             raise lost
         return grant
 
@@ -184,7 +185,11 @@ class LeaseClient:
             # asyncio's own timeout over the whole exchange; httpx's bounds each read.
             async with asyncio.timeout(call.timeout):
                 answer = await self._http.request(
-                    call.method, call.url, json=call.body, headers=call.headers
+                    call.method,
+                    call.url,
+                    json=call.body,
+                    headers=call.headers,
+                    timeout=httpx.Timeout(call.timeout),
                 )
         except (httpx.HTTPError, TimeoutError) as exc:
             raise LeaseServiceError(
@@ -252,14 +257,16 @@ class HeldLease:
         ``Retry-After`` while the lease lasts; any other answer is returned as it
         is: check its status."""
         extra = dict(kwargs.pop("headers", None) or {})
+        attempt = 0
         while True:
             answer = await http.request(method, url, headers={**extra, **self.headers()}, **kwargs)
             delay = retry_after(
-                answer.status_code, answer.headers, answer.content, self._holding.left()
+                answer.status_code, answer.headers, answer.content, self._holding.left(), attempt
             )
             if delay is None:
                 return answer
             await self._client.sleep(delay)
+            attempt += 1
 
     async def complete(self) -> None:
         """Complete the job. Raises LeaseLost if the service refuses (the lease was
@@ -289,6 +296,7 @@ class HeldLease:
     ) -> bool:
         await self._stop_renewing()
         holding = self._holding
+        holding.leaving()
         if self._cancelled:
             # As asyncio.timeout does: take back the one cancel we injected; only if
             # no other cancel is pending is the CancelledError ours to convert.

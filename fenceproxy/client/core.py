@@ -104,14 +104,13 @@ class Endpoint:
         body: dict[str, Any] | None,
         within: float | None = None,
     ) -> Call:
+        """One request, to be over within ``within`` seconds (the request timeout by
+        default); LeaseLost when no time is left for it (a renewal at its deadline)."""
+        timeout = self.request_timeout if within is None else within
+        if timeout <= 0:
+            raise LeaseLost(EXPIRED)
         url = f"{self.base}/{quote(job, safe='').replace('.', '%2E')}"
-        return Call(
-            method,
-            url + (f"/{action}" if action else ""),
-            body,
-            self._headers,
-            within or self.request_timeout,
-        )
+        return Call(method, url + (f"/{action}" if action else ""), body, self._headers, timeout)
 
     def read(self, status: int, content: bytes) -> dict[str, Any]:
         """The answer's JSON object; LeaseRefused for a refusal, LeaseServiceError for
@@ -258,12 +257,19 @@ class Holding:
         """Seconds until the local deadline (a release must not outlive the lease)."""
         return self.granted().deadline - self.clock()
 
+    def leaving(self) -> None:
+        """The block ends: a lease past its deadline is lost now, even if the renewer
+        had no turn to find it, so the loss is never silent."""
+        if not self.ended and self.lost_why is None and self.left() <= 0:
+            self.lose(EXPIRED)
+
 
 class Patience:
     """How long to wait before claiming a busy job again, for at most ``wait``
-    seconds in all: exponential backoff from 50 ms to 2 s with full jitter, never
-    later than the current lease's expiry (the server's ``Retry-After``), which is
-    when the job is free at the latest."""
+    seconds in all: exponential backoff from 50 ms to 2 s, each wait a random half
+    to all of it (so workers waiting for one job spread out), never later than the
+    current lease's expiry (the server's ``Retry-After``), which is when the job is
+    free at the latest."""
 
     def __init__(
         self, wait: float, clock: Callable[[], float], rand: Callable[[], float] = random.random
@@ -286,13 +292,18 @@ class Patience:
         return max(0.0, delay)
 
 
+RETRIES = 5
+"""How many times :meth:`request` sends a write again, at most."""
+
+
 def retry_after(
-    status: int, headers: Mapping[str, str], content: bytes, left: float
+    status: int, headers: Mapping[str, str], content: bytes, left: float, attempt: int = 0
 ) -> float | None:
-    """Seconds to wait before sending a refused write again, or None when it must
-    not be (:data:`SAFE_TO_RETRY`), or not within ``left`` seconds (the lease's)."""
+    """Seconds to wait before sending a refused write again (its ``attempt``-th
+    retry), or None when it must not be (:data:`SAFE_TO_RETRY`), not within ``left``
+    seconds (the lease's), or after :data:`RETRIES` already."""
     kind = refusal_kind(status, headers, content)
-    if kind not in SAFE_TO_RETRY:
+    if kind not in SAFE_TO_RETRY or attempt >= RETRIES:
         return None
     try:
         delay = float(headers.get("Retry-After", "0.1"))

@@ -163,7 +163,8 @@ class SyncLeaseClient:
         if lost is not None:
             if action == "claim":  # the store thinks we hold it: give it back
                 with contextlib.suppress(Exception):
-                    self.release(job, body.get("owner"), grant.generation, within=2.0)
+                    within = min(self.request_timeout, 2.0)
+                    self.release(job, body.get("owner"), grant.generation, within=within)
             raise lost
         return grant
 
@@ -176,19 +177,27 @@ class SyncLeaseClient:
         within: float | None = None,
     ) -> dict[str, Any]:
         call = self.endpoint.call(method, job, action, body, within)
+        # Over within the call's time as a whole: httpx bounds each read, and an answer
+        # that trickles in could otherwise hold a lease's calls past its deadline.
+        deadline = self.clock() + call.timeout
         try:
-            answer = self._http.request(
+            with self._http.stream(
                 call.method,
                 call.url,
                 json=call.body,
                 headers=call.headers,
                 timeout=httpx.Timeout(call.timeout),
-            )
+            ) as answer:
+                content = bytearray()
+                for chunk in answer.iter_bytes():
+                    if self.clock() > deadline:
+                        raise httpx.ReadTimeout(f"no whole answer within {call.timeout:g}s")
+                    content += chunk
         except httpx.HTTPError as exc:
             raise LeaseServiceError(
                 f"lease service at {self.endpoint.base}: {type(exc).__name__}: {exc}"
             ) from exc
-        return self.endpoint.read(answer.status_code, answer.content)
+        return self.endpoint.read(answer.status_code, bytes(content))
 
 
 class SyncHeldLease:
@@ -243,16 +252,18 @@ class SyncHeldLease:
         lasts (keep an ``Idempotency-Key`` in ``headers``); any other answer is
         returned as it is: check its status."""
         extra = dict(kwargs.pop("headers", None) or {})
+        attempt = 0
         while True:
             answer: _Answer = http.request(
                 method, url, headers={**extra, **self.headers()}, **kwargs
             )
             delay = retry_after(
-                answer.status_code, answer.headers, answer.content, self._holding.left()
+                answer.status_code, answer.headers, answer.content, self._holding.left(), attempt
             )
             if delay is None:
                 return answer
             self._client.sleep(delay)
+            attempt += 1
 
     def complete(self) -> None:
         """Complete the job; LeaseLost if the service refuses, LeaseServiceError if it
@@ -281,6 +292,7 @@ class SyncHeldLease:
     ) -> Literal[False]:
         self._stop_renewing()
         holding = self._holding
+        holding.leaving()
         if holding.lost_why is not None:
             if exc_type is None:
                 raise LeaseLost(holding.lost_why)
@@ -299,7 +311,11 @@ class SyncHeldLease:
 
     def _end(self, call: Callable[..., dict[str, Any]]) -> None:
         holding = self._holding
-        with self._lock:  # not while a renewal is on the wire: it would be refused
+        # Not while a renewal is on the wire (it would be refused), nor past the lease.
+        if not self._lock.acquire(timeout=max(0.0, holding.left())):
+            self._lose(EXPIRED)
+            raise LeaseLost(EXPIRED)
+        try:
             if holding.lost_why is not None:
                 raise LeaseLost(holding.lost_why)
             try:
@@ -308,6 +324,8 @@ class SyncHeldLease:
                 self._lose(f"the lease service refused: {exc}")
                 raise LeaseLost(holding.lost_why or str(exc)) from exc
             holding.ended = True
+        finally:
+            self._lock.release()
         self._stop_renewing()
 
     def _stop_renewing(self) -> None:
@@ -338,6 +356,9 @@ class SyncHeldLease:
                 continue
             with self._lock:
                 if self._stop.is_set() or holding.ended:
+                    return
+                if holding.due() is None:  # waited for the lock past the deadline
+                    self._lose(EXPIRED)
                     return
                 grant = holding.granted()
                 try:
