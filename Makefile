@@ -31,16 +31,21 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP) $(DEMO_STAMP)
 
-# The demo needs the proxy and a client, not the tools: requirements/server.lock.
-$(DEMO_STAMP): pyproject.toml requirements/server.lock
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --require-hashes -r requirements/server.lock
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+# The demo needs the proxy and a client, not the tools (requirements/demo.lock), and
+# runs from the checkout. A venv without pip of its own, filled by this Python's pip
+# when it has one, takes a tenth of a second instead of five.
+DEMO_PIP := --quiet --no-compile --disable-pip-version-check --require-hashes \
+	-r requirements/demo.lock
+$(DEMO_STAMP): pyproject.toml requirements/demo.lock
+	@if [ ! -x $(BIN)/pip ] && $(PYTHON) -m pip --version >/dev/null 2>&1; then \
+	  $(PYTHON) -m venv --without-pip $(VENV) && \
+	  $(PYTHON) -m pip --python $(BIN)/python install $(DEMO_PIP); \
+	else false; fi || { $(PYTHON) -m venv $(VENV) && $(BIN)/pip install $(DEMO_PIP); }
 	touch $(DEMO_STAMP)
 
 ## The worked example on loopback with the embedded SQLite store.
 demo: $(DEMO_STAMP)
-	$(BIN)/fenceproxy demo
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m fenceproxy demo
 
 ## Lint, types and the whole test suite.
 test: lint typecheck pytest
@@ -104,6 +109,7 @@ lock: $(STAMP)
 	$(COMPILE) --extra server --extra fast -c $(LOCK) -o requirements/server.lock \
 	  pyproject.toml requirements/build.in
 	$(COMPILE) -c $(LOCK) -o requirements/client.lock pyproject.toml
+	$(COMPILE) --extra server -c $(LOCK) -o requirements/demo.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

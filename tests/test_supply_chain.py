@@ -44,6 +44,7 @@ def requirements(*extras: str) -> list[Requirement]:
         ("dev.lock", ("server", "test", "dev", "fast")),
         ("server.lock", ("server", "fast")),
         ("client.lock", ()),
+        ("demo.lock", ("server",)),
     ],
 )
 def test_every_requirement_is_pinned_within_its_bounds_with_hashes(
@@ -60,7 +61,7 @@ def test_every_requirement_is_pinned_within_its_bounds_with_hashes(
         assert hashes >= 1
 
 
-@pytest.mark.parametrize("lock", ["server.lock", "client.lock"])
+@pytest.mark.parametrize("lock", ["server.lock", "client.lock", "demo.lock"])
 def test_the_deployed_locks_are_the_tested_versions(lock: str) -> None:
     tested = pins("dev.lock")
     for name, (version, _) in pins(lock).items():
