@@ -8,7 +8,8 @@ lease and stop a worker's work the moment it is lost.
 
 The clients need only httpx (``pip install fenceproxy``); the proxy's own names
 (:class:`FenceProxy`, :func:`serve`, the stores, the config) load its server
-libraries when first used (``pip install 'fenceproxy[server]'``).
+libraries when first used (``pip install 'fenceproxy[server]'``), and the clients
+load httpx when first used.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .client import LeaseClient, SyncLeaseClient
 from .errors import (
     ConfigError,
     FenceProxyError,
@@ -29,6 +29,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .app import FenceProxy, serve
+    from .client import LeaseClient, SyncLeaseClient
     from .config import Config, load_config
     from .store import SQLiteStore, Store, open_store
 
@@ -53,7 +54,9 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_SERVER = {
+_LAZY = {
+    "LeaseClient": "client",
+    "SyncLeaseClient": "client",
     "FenceProxy": "app",
     "serve": "app",
     "Config": "config",
@@ -65,8 +68,9 @@ _SERVER = {
 
 
 def __getattr__(name: str) -> Any:
-    """The proxy's names, imported on first use (so a worker never loads them)."""
-    module = _SERVER.get(name)
+    """Imported on first use: a worker never loads the proxy, nor the proxy the
+    clients' HTTP library."""
+    module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fenceproxy' has no attribute {name!r}")
     return getattr(importlib.import_module(f".{module}", __name__), name)

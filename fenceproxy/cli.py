@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .client import SyncLeaseClient
 from .errors import (
     ConfigError,
     FenceProxyError,
@@ -222,6 +221,8 @@ def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace, token: str
         parser.error(f"lease {args.action} needs --owner")
     if args.action in ("renew", "complete", "release") and args.generation is None:
         parser.error(f"lease {args.action} needs --generation")
+    from .client import SyncLeaseClient
+
     try:
         client = SyncLeaseClient(args.url, prefix=args.prefix, token=token)
     except ValueError as exc:

@@ -16,11 +16,9 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
 __all__ = ["add_jobs_parser", "run_jobs"]
 
-_TIMEOUT = httpx.Timeout(10.0)
+_TIMEOUT = 10.0
 
 
 def add_jobs_parser(commands: Any) -> None:
@@ -62,6 +60,8 @@ def run_jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     else:
         url = f"{base}/jobs"
         params = {"prefix": args.prefix, "after": args.after, "limit": str(args.limit)}
+    import httpx  # only this command needs it
+
     try:
         answer = httpx.get(url, params=params, timeout=_TIMEOUT)
         body = answer.json()

@@ -142,3 +142,11 @@ def install(venv: Path, lock: str, wheel: Path) -> None:
     assert deps.returncode == 0, deps.stderr[-2000:]
     package = run(pip, "install", "--quiet", "--no-deps", wheel)
     assert package.returncode == 0, package.stderr[-2000:]
+
+
+def test_the_proxy_loads_none_of_the_clients_http_library() -> None:
+    loaded = run(
+        sys.executable, "-c",
+        "import sys, fenceproxy, fenceproxy.cli, fenceproxy.app; print('httpx' in sys.modules)",
+    )  # fmt: skip
+    assert loaded.stdout == "False\n", loaded.stderr
