@@ -165,7 +165,7 @@ class LeaseClient:
         if lost is not None:
             if action == "claim":  # the store thinks we hold it: give it back
                 with contextlib.suppress(Exception):
-                    within = min(self.request_timeout, 2.0)
+                    within = self.endpoint.give_back_within
                     await self.release(job, body.get("owner"), grant.generation, within=within)
             raise lost
         return grant
@@ -357,7 +357,6 @@ class HeldLease:
     def _lose(self, why: str, *, cancel: bool = True) -> None:
         if not self._holding.lose(why):
             return
-        lease_log.warning("lease of %r at generation %s lost: %s", self.job_id, self.token, why)
         if cancel and self._task is not None and not self._task.done() and not self._cancelled:
             self._cancelled = True
             self._task.cancel(msg=f"lease lost: {why}")
@@ -390,14 +389,10 @@ class HeldLease:
                     within=holding.within(client.request_timeout),
                     not_after=grant.deadline,
                 )
-            except LeaseRefused as exc:
-                self._lose(f"renewal refused: {exc}")
-                return
-            except LeaseLost as exc:
-                self._lose(str(exc))
-                return
-            except LeaseServiceError as exc:
-                lease_log.warning("renewal of %r failed, retrying: %s", self.job_id, exc)
-                holding.failed()
+            except (LeaseRefused, LeaseLost, LeaseServiceError) as exc:
+                why = holding.renewal_failed(exc)
+                if why is not None:
+                    self._lose(why)
+                    return
                 continue
             holding.taken(renewed)

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import PROBLEM_BASE, LeaseLost, LeaseRefused, LeaseServiceError
+from ..log import lease_log
 
 __all__ = [
     "JOB_HEADER",
@@ -127,6 +128,12 @@ class Endpoint:
             raise LeaseRefused(status, answer)
         return answer
 
+    @property
+    def give_back_within(self) -> float:
+        """How long the release of a claim answered too late may take: the store
+        thinks it is held, and another worker should not wait for it to expire."""
+        return min(self.request_timeout, 2.0)
+
     def grant(self, action: str, record: dict[str, Any], sent: float) -> Grant:
         """A claim's or renewal's answer, trusted until ``sent`` (read before the
         request went out: the safe side of the server's clock) plus the ttl less
@@ -219,10 +226,12 @@ class Holding:
         return {JOB_HEADER: self.job_id, TOKEN_HEADER: self.granted().token}
 
     def lose(self, why: str) -> bool:
-        """Mark the lease lost; whether it was not already."""
+        """Mark the lease lost, and say so in the log; whether it was not already."""
         if self.lost_why is not None:
             return False
         self.lost_why = why
+        generation = None if self.grant is None else self.grant.generation
+        lease_log.warning("lease of %r at generation %s lost: %s", self.job_id, generation, why)
         return True
 
     # -- renewing -------------------------------------------------------------
@@ -249,9 +258,16 @@ class Holding:
         """How long a renewal sent now may take: never past the local deadline."""
         return min(request_timeout, self.granted().deadline - self.clock())
 
-    def failed(self) -> None:
-        """A renewal could not be sent or answered: try again soon, before the deadline."""
+    def renewal_failed(self, exc: LeaseRefused | LeaseLost | LeaseServiceError) -> str | None:
+        """Why a renewal that raised ``exc`` loses the lease; None when it does not (the
+        service could not be reached: the next try comes soon, before the deadline)."""
+        if isinstance(exc, LeaseRefused):
+            return f"renewal refused: {exc}"
+        if isinstance(exc, LeaseLost):
+            return str(exc)
+        lease_log.warning("renewal of %r failed, retrying: %s", self.job_id, exc)
         self.next_try = self.clock() + min(self.every / 4, 1.0)
+        return None
 
     def left(self) -> float:
         """Seconds until the local deadline (a release must not outlive the lease)."""

@@ -163,7 +163,7 @@ class SyncLeaseClient:
         if lost is not None:
             if action == "claim":  # the store thinks we hold it: give it back
                 with contextlib.suppress(Exception):
-                    within = min(self.request_timeout, 2.0)
+                    within = self.endpoint.give_back_within
                     self.release(job, body.get("owner"), grant.generation, within=within)
             raise lost
         return grant
@@ -313,7 +313,7 @@ class SyncHeldLease:
         holding = self._holding
         # Not while a renewal is on the wire (it would be refused), nor past the lease.
         if not self._lock.acquire(timeout=max(0.0, holding.left())):
-            self._lose(EXPIRED)
+            self._holding.lose(EXPIRED)
             raise LeaseLost(EXPIRED)
         try:
             if holding.lost_why is not None:
@@ -321,7 +321,7 @@ class SyncHeldLease:
             try:
                 call(self.job_id, self.owner, self.generation)
             except LeaseRefused as exc:
-                self._lose(f"the lease service refused: {exc}")
+                self._holding.lose(f"the lease service refused: {exc}")
                 raise LeaseLost(holding.lost_why or str(exc)) from exc
             holding.ended = True
         finally:
@@ -334,22 +334,18 @@ class SyncHeldLease:
         if renewer is not None and renewer is not threading.current_thread():
             renewer.join()
 
-    def _lose(self, why: str) -> None:
-        if self._holding.lose(why):
-            lease_log.warning("lease of %r at generation %s lost: %s", self.job_id, self.token, why)
-
     def _keep_alive(self) -> None:
         try:
             self._renew_until_lost()
         except Exception as exc:  # a renewer that dies must not leave the lease trusted
-            self._lose(f"the renewer failed: {exc!r}")
+            self._holding.lose(f"the renewer failed: {exc!r}")
 
     def _renew_until_lost(self) -> None:
         client, holding = self._client, self._holding
         while not self._stop.is_set():
             wait = holding.due()
             if wait is None:
-                self._lose(EXPIRED)
+                self._holding.lose(EXPIRED)
                 return
             if wait > 0:
                 self._stop.wait(wait)
@@ -358,7 +354,7 @@ class SyncHeldLease:
                 if self._stop.is_set() or holding.ended:
                     return
                 if holding.due() is None:  # waited for the lock past the deadline
-                    self._lose(EXPIRED)
+                    self._holding.lose(EXPIRED)
                     return
                 grant = holding.granted()
                 try:
@@ -370,14 +366,10 @@ class SyncHeldLease:
                         within=holding.within(client.request_timeout),
                         not_after=grant.deadline,
                     )
-                except LeaseRefused as exc:
-                    self._lose(f"renewal refused: {exc}")
-                    return
-                except LeaseLost as exc:
-                    self._lose(str(exc))
-                    return
-                except LeaseServiceError as exc:
-                    lease_log.warning("renewal of %r failed, retrying: %s", self.job_id, exc)
-                    holding.failed()
+                except (LeaseRefused, LeaseLost, LeaseServiceError) as exc:
+                    why = holding.renewal_failed(exc)
+                    if why is not None:
+                        self._holding.lose(why)
+                        return
                     continue
                 holding.taken(renewed)
