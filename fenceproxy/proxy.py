@@ -211,11 +211,7 @@ class Proxy:
                 raise
             started = time.monotonic()
             response = await self._report(request, route, target, None, refusal.slug)
-            event = self._decided(
-                route, _Seen(), _decision(response), response.status, started, None
-            )
-            if decision_log.isEnabledFor(logging.INFO):
-                _log_decision(logging.INFO, event)
+            self._answered(route, _Seen(), response, started)
             return response
         if fence.fences(request.method) or (override is not None and fence.fences(override)):
             seen = _Seen()
@@ -231,14 +227,20 @@ class Proxy:
                     refusal.logged = True
                     _log_decision(logging.INFO, event)
                 raise
-            decision = _decision(response)
-            event = self._decided(route, seen, decision, response.status, started, None)
-            # What a report-only route would have refused is told as a refusal is.
-            level = logging.INFO if decision.startswith("would-") else logging.DEBUG
-            if decision_log.isEnabledFor(level):
-                _log_decision(level, event)
+            self._answered(route, seen, response, started)
             return response
         return await self._pass_through(request, route, target)
+
+    def _answered(
+        self, route: Route, seen: _Seen, response: web.StreamResponse, started: float
+    ) -> None:
+        """Count and log a fenced write that was answered (not refused)."""
+        decision = _decision(response)
+        event = self._decided(route, seen, decision, response.status, started, None)
+        # What a report-only route would have refused is told as a refusal is.
+        level = logging.INFO if decision.startswith("would-") else logging.DEBUG
+        if decision_log.isEnabledFor(level):
+            _log_decision(level, event)
 
     def _decided(
         self,
