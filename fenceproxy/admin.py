@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -82,14 +82,7 @@ def admin_app(
 
     async def jobs(request: web.Request) -> web.Response:
         query = request.query
-        try:
-            limit = int(query.get("limit", "100"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= _MAX_PAGE:
-            return problem_response(
-                RequestMalformed(f"limit must be a whole number from 1 to {_MAX_PAGE}")
-            )
+        limit = _number(query, "limit", 100, 1, _MAX_PAGE)
         found = await store().jobs(query.get("prefix", ""), query.get("after", ""), limit)
         return web.json_response(
             {"jobs": found, "next": found[-1] if len(found) == limit else None}
@@ -97,17 +90,8 @@ def admin_app(
 
     async def events(request: web.Request) -> web.Response:
         query = request.query
-        try:
-            after = int(query.get("after", "0"))
-            limit = int(query.get("limit", "100"))
-        except ValueError:
-            after = limit = -1
-        if after < 0 or not 1 <= limit <= KEPT:
-            return problem_response(
-                RequestMalformed(
-                    f"after must be a whole number, limit a whole number from 1 to {KEPT}"
-                )
-            )
+        after = _number(query, "after", 0, 0, None)
+        limit = _number(query, "limit", 100, 1, KEPT)
         recent = metrics.recent
         found = recent.after(after, job=query.get("job") or None, limit=limit)
         return web.json_response(
@@ -152,6 +136,19 @@ def admin_app(
     app.router.add_get("/events", events)
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
+
+
+def _number(query: Mapping[str, str], name: str, default: int, low: int, high: int | None) -> int:
+    """A whole-number query parameter from ``low`` up to ``high`` (None: no bound);
+    RequestMalformed (400) otherwise."""
+    try:
+        value = int(query.get(name, str(default)))
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"of {low} or more"
+        raise RequestMalformed(f"{name} must be a whole number {bounds}")
+    return value
 
 
 def _from_a_browser(request: web.Request) -> bool:
