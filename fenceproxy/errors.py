@@ -44,6 +44,7 @@
         ├── LeaseOutOfScope          403  the credential does not cover this job
         ├── LeaseNotFound            404  no lease was ever taken on the job
         ├── LeaseHeld                409  claim: another holder's lease is live (Retry-After)
+        ├── WriteInFlight            409  claim: an older write may still reach the upstream
         ├── JobCompleted             409  the job was completed; it takes no more claims
         ├── LeaseSuperseded          409  a newer claim took the job over
         ├── LeaseExpired             409  the lease ran out (nobody has claimed it since)
@@ -120,6 +121,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "VersionNotSupported",
+    "WriteInFlight",
 ]
 
 PROBLEM_BASE = "urn:fenceproxy:problem:"
@@ -375,6 +377,14 @@ class LeaseNotFound(Refusal):
 
 class LeaseHeld(Refusal):
     slug, status, title = "lease-held", 409, "The job is held by a live lease"
+
+
+class WriteInFlight(Refusal):
+    slug, status, title = (
+        "write-in-flight",
+        409,
+        "A write of an earlier holder may still reach the upstream",
+    )
 
 
 class JobCompleted(Refusal):

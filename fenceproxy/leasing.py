@@ -20,10 +20,20 @@ from .errors import (
     LeaseReleased,
     LeaseSuperseded,
     Refusal,
+    WriteInFlight,
 )
 from .fencing import GENERATION_MAX
 
-__all__ = ["Lease", "LeaseState", "check_write", "claim", "complete", "release", "renew"]
+__all__ = [
+    "Lease",
+    "LeaseState",
+    "after_writes",
+    "check_write",
+    "claim",
+    "complete",
+    "release",
+    "renew",
+]
 
 
 class LeaseState(enum.StrEnum):
@@ -81,6 +91,28 @@ def claim(
     if generation > GENERATION_MAX:
         return LeaseMismatch(f"job {job!r} has no generation left to give", job_id=job)
     return Lease(job, owner, generation, now + ttl, ttl, LeaseState.HELD)
+
+
+def after_writes(
+    new: Lease, current: Lease | None, in_flight_until: float | None, now: float
+) -> Lease | Refusal:
+    """``new``, unless it hands out a generation while the job's in-flight record says
+    a write of an older one may still reach the upstream: then the claim waits for
+    it, as Chubby's lock-delay does, per job. Otherwise a new holder could read the
+    upstream, be told it holds the job, and see the old holder's write land after.
+    (The write cannot land after the new holder's own writes: those wait for the
+    same record.)"""
+    claiming = current is None or new.generation != current.generation
+    if not claiming or in_flight_until is None or in_flight_until <= now:
+        return new
+    left = in_flight_until - now
+    return WriteInFlight(
+        f"job {new.job_id!r} has a write of generation {new.generation - 1} or older that "
+        f"may still reach the upstream for {left:.3f}s more; claim it then",
+        retry_after=left,
+        job_id=new.job_id,
+        expires_in=left,
+    )
 
 
 def _check_holder(

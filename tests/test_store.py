@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -15,8 +15,9 @@ import asyncpg
 import pytest
 
 from fenceproxy import cli, leasing
-from fenceproxy.errors import StoreError
+from fenceproxy.errors import Refusal, StaleGeneration, StoreError, WriteInFlight
 from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
+from fenceproxy.leasing import Lease
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.store import postgres as postgres_store
 from fenceproxy.testing import FakeClock
@@ -295,9 +296,10 @@ async def test_an_unreachable_postgres_is_a_clear_error(
 async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fence(
     postgres: PostgresServer,
 ) -> None:
-    """A claim computes its generation from the fence it read; an admission on another
-    proxy may raise the fence meanwhile. Whatever order they commit in, the fence
-    never goes down: the statement that raises it only ever raises it."""
+    """A claim and an admission of one job, on two proxies, at once. Whatever order
+    they commit in, the fence never goes down, and a claim that comes second waits
+    for the admitted write: it is refused `write-in-flight`, never granted while a
+    write of an older generation may still reach the upstream."""
     from fenceproxy import leasing
 
     url = postgres.url("fenceproxy")
@@ -305,20 +307,25 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
     admitting, claiming = await open_store(url, key_ttl=60), await open_store(url, key_ttl=60)
     try:
 
-        async def race(job: str) -> None:
-            await asyncio.gather(
+        async def race(job: str) -> Lease | Refusal:
+            _, (claimed, _) = await asyncio.gather(
                 admit(admitting, FencedWrite("r", job, 100)),
                 claiming.change_lease(
                     job, lambda cur, fence, now: leasing.claim(cur, fence, job, "w", 5.0, now)
                 ),
             )
+            return claimed
 
         jobs = [f"job-{n}" for n in range(60)]
-        await asyncio.gather(*(race(job) for job in jobs))
-        assert [await admitting.generation(job) for job in jobs] == [
-            max(100, lease.generation)  # type: ignore[union-attr]
-            for lease, _ in [await claiming.lease(job) for job in jobs]
-        ]
+        claims = await asyncio.gather(*(race(job) for job in jobs))
+        for job, claimed in zip(jobs, claims, strict=True):
+            fence = await admitting.generation(job)
+            if isinstance(claimed, Lease):  # claimed first: the admission raised it after
+                assert (claimed.generation, fence) == (1, 100)
+            else:  # admitted first: the claim waits for the write
+                assert isinstance(claimed, WriteInFlight), claimed
+                assert fence == 100
+                assert (await claiming.lease(job))[0] is None
     finally:
         await admitting.close()
         await claiming.close()
@@ -367,9 +374,10 @@ async def test_an_unknown_outcome_never_shortens_a_record(store: Store) -> None:
 async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
     store_url: str, clock: FakeClock
 ) -> None:
-    """The job has no fence row, so the claim's read locks nothing; a write inserting
-    generation 100 commits while the claim runs. The claim must hand out 101, not a
-    generation its holder's writes would be refused with."""
+    """The job has no fence row yet; an admission inserting generation 100 holds the
+    job's lock (shared, as every admission does) while the claim starts. The claim
+    waits for it and must hand out 101, not a generation its holder's writes would be
+    refused with."""
     if not store_url.startswith("postgresql"):
         pytest.skip("one SQLite process decides one operation at a time")
     store = await open_store(store_url, key_ttl=60, clock=clock)
@@ -377,6 +385,7 @@ async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
     try:
         writing = other.transaction()
         await writing.start()
+        await other.execute("SELECT pg_advisory_xact_lock_shared(hashtextextended('fresh', 0))")
         await other.execute(
             "INSERT INTO fences (job, generation, updated_at) VALUES ('fresh', 100, 0)"
         )
@@ -385,7 +394,7 @@ async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
                 "fresh", lambda cur, fence, now: leasing.claim(cur, fence, "fresh", "w", 30, now)
             )
         )
-        # Until the claim waits on the uncommitted row.
+        # Until the claim waits for the admission.
         waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
         watcher = await asyncpg.connect(store_url)
         try:
@@ -400,6 +409,78 @@ async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
         assert lease.generation == 101
         assert await store.generation("fresh") == 101
     finally:
+        await other.close()
+        await store.close()
+
+
+def _claim(job: str, owner: str = "w") -> Callable[..., Lease | Refusal]:
+    return lambda cur, fence, now: leasing.claim(cur, fence, job, owner, 5.0, now)
+
+
+async def test_a_claim_waits_for_a_write_in_flight(store: Store, clock: FakeClock) -> None:
+    """Generation 1's holder has a write at the upstream when its lease runs out. A
+    claim then is refused `write-in-flight` with the record's time left, and takes
+    generation 2 once the write is answered; after a write whose outcome is unknown,
+    once the record expires."""
+    first = await store.change_lease("j", _claim("j", "a"))
+    assert isinstance(first[0], Lease)
+    write = FencedWrite("r", "j", 1, hold=30)
+    assert isinstance(await admit(store, write), Admit)
+    clock.advance(6)  # the lease has expired; the write is still in flight
+    refused, _ = await store.change_lease("j", _claim("j", "b"))
+    assert isinstance(refused, WriteInFlight)
+    assert refused.retry_after == pytest.approx(24)
+    assert refused.extensions["expires_in"] == pytest.approx(24)
+    await store.end_turn(write, unknown_for=40)  # sent, no answer: held 40 s more
+    refused, _ = await store.change_lease("j", _claim("j", "b"))
+    assert isinstance(refused, WriteInFlight)
+    assert refused.retry_after == pytest.approx(40)
+    clock.advance(40)
+    claimed, _ = await store.change_lease("j", _claim("j", "b"))
+    assert isinstance(claimed, Lease)
+    assert claimed.generation == 2
+    # A write answered gives the job back at once.
+    clock.advance(6)
+    write = FencedWrite("r", "j", 2, hold=30)
+    assert isinstance(await admit(store, write), Admit)
+    await store.end_turn(write)
+    claimed, _ = await store.change_lease("j", _claim("j", "c"))
+    assert isinstance(claimed, Lease)
+    assert claimed.generation == 3
+
+
+async def test_an_admission_waits_for_a_lease_change_on_another_proxy(
+    postgres: PostgresServer,
+) -> None:
+    """A claim in progress on another proxy holds the job's lock. An admission of
+    the old generation waits for it, then reads the fence the claim raised and is
+    refused: it is never decided on the fence from before the claim and committed
+    after it, which would let an old holder's write reach the upstream after the
+    claim was acknowledged."""
+    url = postgres.url("fenceproxy")
+    await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
+    store = await open_store(url, key_ttl=60)
+    other = await asyncpg.connect(url)
+    watcher = await asyncpg.connect(url)
+    try:
+        assert isinstance(await admit(store, FencedWrite("r", "j", 1, hold=0.01)), Admit)
+        claiming = other.transaction()
+        await claiming.start()
+        await other.execute("SELECT pg_advisory_xact_lock(hashtextextended('j', 0))")
+        admitting = asyncio.ensure_future(admit(store, FencedWrite("r", "j", 1)))
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+        )
+        while not await watcher.fetchval(waiting):
+            assert not admitting.done(), admitting.result()
+            await asyncio.sleep(0.01)
+        await other.execute("UPDATE fences SET generation = 2 WHERE job = 'j'")
+        await claiming.commit()
+        refused = await admitting
+        assert isinstance(refused, StaleGeneration), refused
+    finally:
+        await watcher.close()
         await other.close()
         await store.close()
 

@@ -26,7 +26,7 @@ from fenceproxy.client import (
 )
 from fenceproxy.testing import FakeClock, Received, RecordingUpstream
 
-from .conftest import ProxyFactory
+from .conftest import ProxyFactory, fenced
 
 Client = TestClient[Any, Any]
 T = TypeVar("T")
@@ -146,6 +146,45 @@ async def test_hold_waits_for_a_busy_job_and_gets_the_next_generation(
     clock.advance(31)  # the old holder's lease runs out on the store's clock
     assert await waiting == 2
     assert attempts[0] < attempts[2] <= 2.0  # backing off, never beyond 2 s
+
+
+async def test_a_claim_waits_until_the_old_holders_write_is_answered(
+    service: Client, upstream: RecordingUpstream, clock: FakeClock
+) -> None:
+    """Generation 1's write is at the upstream when its lease runs out. A claim then
+    is refused `write-in-flight`, and a worker waiting in hold() takes generation 2
+    only once the upstream has answered: never while the old write could still land
+    after it was told it holds the job."""
+    base = url(service)
+    assert (await service.post("/_leases/job/claim", json={"owner": "a", "ttl": 30})).ok
+    release = upstream.hold()
+    old_write = asyncio.ensure_future(fenced(service, "job", 1, path="/billing/x"))
+    await upstream.wait_for(1)
+    clock.advance(31)  # the lease has run out; its write has not been answered
+    refused = await service.post("/_leases/job/claim", json={"owner": "b"})
+    assert refused.status == 409
+    assert (await refused.json())["type"] == "urn:fenceproxy:problem:write-in-flight"
+    assert int(refused.headers["Retry-After"]) > 0
+    attempts: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        attempts.append(seconds)
+        time.sleep(seconds)
+
+    def worker() -> int:
+        with (
+            SyncLeaseClient(base, sleep=sleep) as leases,
+            leases.hold("job", owner="b", ttl=30, wait=30) as lease,
+        ):
+            return lease.generation
+
+    waiting = asyncio.ensure_future(in_thread(worker))
+    while len(attempts) < 2:  # refused, backing off
+        await asyncio.sleep(0.01)
+    assert not waiting.done()
+    release()
+    assert (await old_write).status == 200
+    assert await waiting == 2
 
 
 async def test_a_wait_runs_out_with_the_refusal(service: Client) -> None:

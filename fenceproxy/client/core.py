@@ -280,6 +280,10 @@ class Holding:
             self.lose(EXPIRED)
 
 
+_WAITABLE = frozenset({"lease-held", "write-in-flight"})
+"""Claim refusals that end by themselves: a live lease, or an older write in flight."""
+
+
 class Patience:
     """How long to wait before claiming a busy job again, for at most ``wait``
     seconds in all: exponential backoff from 50 ms to 2 s, each wait a random half
@@ -299,7 +303,7 @@ class Patience:
         """Seconds to wait before the next claim, or None to give up (the job is not
         merely held, or the wait is over)."""
         left = self._until - self._clock()
-        if refused.slug != "lease-held" or left <= 0:
+        if refused.slug not in _WAITABLE or left <= 0:
             return None
         expires = refused.problem.get("expires_in")
         free_by = float(expires) if isinstance(expires, int | float) else _BACKOFF_MAX

@@ -37,7 +37,7 @@ from ..fencing import (
     StoredResponse,
     decide,
 )
-from ..leasing import Lease, LeaseState, check_write
+from ..leasing import Lease, LeaseState, after_writes, check_write
 from ..log import store_log
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "KeyView",
     "LeaseChange",
     "Store",
+    "decide_lease",
     "decide_write",
     "job_view",
     "key_not_held",
@@ -133,10 +134,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         """Apply ``change`` to the job's lease in one transaction, with the job's fence
-        and the store's clock; returns the outcome and that clock's reading. A new
-        lease is written, and the job's fence raised to its generation, so a late write
-        of an older holder is refused by the proxy even before the new holder has
-        written anything."""
+        and the store's clock (:func:`decide_lease`); returns the outcome and that
+        clock's reading. A new lease is written, and the job's fence raised to its
+        generation, so a late write of an older holder is refused by the proxy even
+        before the new holder has written anything. A new generation is not handed out
+        while the job's in-flight record is live; no admission runs between the
+        record's reading and the commit."""
 
     @abc.abstractmethod
     async def lease(self, job: str) -> tuple[Lease | None, float]:
@@ -332,6 +335,23 @@ def decide_write(
     if write.check_lease and isinstance(decision, Admit):
         return check_write(lease, write.job, write.generation, now) or decision
     return decision
+
+
+def decide_lease(
+    change: LeaseChange,
+    current: Lease | None,
+    fence: int | None,
+    in_flight_until: float | None,
+    now: float,
+) -> Lease | Refusal:
+    """``change`` applied to the job's lease, its fence and the store's ``now``; a
+    claim waits while the job's in-flight record (live until ``in_flight_until``)
+    says an older write may still reach the upstream
+    (:func:`~fenceproxy.leasing.after_writes`)."""
+    result = change(current, fence, now)
+    if isinstance(result, Refusal):
+        return result
+    return after_writes(result, current, in_flight_until, now)
 
 
 def key_not_held(write: FencedWrite, what: str) -> None:

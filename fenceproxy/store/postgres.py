@@ -43,6 +43,7 @@ from .base import (
     JobView,
     LeaseChange,
     Store,
+    decide_lease,
     decide_write,
     job_view,
     key_not_held,
@@ -143,9 +144,12 @@ def _sql(statement: str) -> str:
     return statement.replace("$clock", f"${count + 1}")
 
 
+# The job's advisory lock, shared: admissions of a job do not wait for each other
+# (its in-flight record orders them), but a lease change, which holds the lock
+# alone, waits for them, and they for it.
 _TAKE_TURN = _sql(
     f"""
-WITH now AS (SELECT {_NOW} AS t),
+WITH now AS (SELECT {_NOW} AS t, pg_advisory_xact_lock_shared(hashtextextended($1, 0))),
 taken AS (
     INSERT INTO inflight AS i (job, holder, state, expires_at)
     SELECT $1, $2, 'in_flight', now.t + $3 FROM now
@@ -163,11 +167,12 @@ _READ = _sql(
 SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1)
 """
 )
-# The fence, locked until the lease change commits, so an admission that raises it
-# meanwhile is waited for and seen.
-_READ_FOR_CLAIM = _sql(
+# What a lease change decides on besides the lease: the store's clock, the fence
+# and the in-flight record, read under the job's lock.
+_READ_FOR_LEASE = _sql(
     f"""
-SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1 FOR UPDATE)
+SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1),
+       (SELECT expires_at FROM inflight WHERE job = $1)
 """
 )
 _READ_KEY = _sql(
@@ -406,17 +411,16 @@ class PostgresStore(Store):
 
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         async def tx(conn: _Conn) -> tuple[Lease | Refusal, float]:
-            # One lease change per job at a time, across every proxy.
+            # The job's lock, alone: no other lease change and no admission of the job
+            # (they take it shared) runs until this commits, on any proxy.
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", job)
             current = lease_record(await conn.fetchrow(_LEASE, job))
-            now, fence = await _one(conn, _READ_FOR_CLAIM, job, self._clock())
-            result = change(current, None if fence is None else int(fence), now)
+            now, fence, in_flight_until = await _one(conn, _READ_FOR_LEASE, job, self._clock())
+            fence = None if fence is None else int(fence)
+            result = decide_lease(change, current, fence, in_flight_until, now)
             if isinstance(result, Lease) and result != current:
-                raised = await conn.fetchval(_RAISE_FENCE, job, result.generation, now)
-                if raised != result.generation:
-                    # A job with no fence row yet had nothing to lock: an admission
-                    # raised its fence meanwhile. Decide again on the fence it set.
-                    raise _Again
+                if fence is None or result.generation > fence:
+                    await conn.execute(_RAISE_FENCE, job, result.generation, now)
                 await conn.execute(
                     "INSERT INTO leases (job, owner, generation, lease_until, ttl, state,"
                     " updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7)"
@@ -427,11 +431,7 @@ class PostgresStore(Store):
                 )
             return result, float(now)
 
-        while True:
-            try:
-                return await self._run(tx)
-            except _Again:
-                continue
+        return await self._run(tx)
 
     async def lease(self, job: str) -> tuple[Lease | None, float]:
         async def tx(conn: _Conn) -> tuple[Lease | None, float]:
@@ -547,10 +547,6 @@ class PostgresStore(Store):
                 continue
             if removed:
                 store_log.info("purged %d expired idempotency keys and in-flight records", removed)
-
-
-class _Again(Exception):
-    """Roll the transaction back and run it again."""
 
 
 class _Undo(Exception):

@@ -48,6 +48,7 @@ from .base import (
     JobView,
     LeaseChange,
     Store,
+    decide_lease,
     decide_write,
     job_view,
     key_not_held,
@@ -338,7 +339,8 @@ class SQLiteStore(Store):
             now = self._clock()
             current = lease_record(tx.one(_LEASE_SQL, (job,)))
             fence = tx.fence(job)
-            result = change(current, fence, now)
+            turn = tx.one("SELECT expires_at FROM inflight WHERE job = ?", (job,))
+            result = decide_lease(change, current, fence, None if turn is None else turn[0], now)
             if isinstance(result, Lease) and result != current:
                 tx.write(
                     "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
