@@ -449,6 +449,26 @@ async def test_a_claim_waits_for_a_write_in_flight(store: Store, clock: FakeCloc
     assert claimed.generation == 3
 
 
+async def test_a_lease_behind_its_fence_renews_and_completes(store: Store) -> None:
+    """A write with a generation from elsewhere (no lease of this store's gave it)
+    raised the job's fence past its lease. Its holder still renews and completes:
+    its own writes are refused, which is the fence's business, not the lease's."""
+    claimed, _ = await store.change_lease("j", _claim("j"))
+    assert isinstance(claimed, Lease)
+    assert isinstance(await admit(store, FencedWrite("r", "j", 5, hold=0)), Admit)
+    async with asyncio.timeout(10):
+        renewed, _ = await store.change_lease(
+            "j", lambda cur, fence, now: leasing.renew(cur, "j", "w", 1, None, now)
+        )
+        done, _ = await store.change_lease(
+            "j", lambda cur, fence, now: leasing.complete(cur, "j", "w", 1, now)
+        )
+    assert isinstance(renewed, Lease)
+    assert isinstance(done, Lease)
+    assert done.state == "completed"
+    assert await store.generation("j") == 5
+
+
 async def test_an_admission_waits_for_a_lease_change_on_another_proxy(
     postgres: PostgresServer,
 ) -> None:
