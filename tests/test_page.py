@@ -100,12 +100,15 @@ async def until(
     return await asyncio.to_thread(wait)
 
 
+_ROWS = """return Array.from(document.querySelectorAll(arguments[0]),
+    row => Array.from(row.querySelectorAll("td"), cell => cell.innerText.trim()));"""
+
+
 def rows(browser: WebDriver, tbody: str) -> list[list[str]]:
-    """The text of each cell of each row of the table body ``#tbody``."""
-    return [
-        [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
-        for row in browser.find_elements(By.CSS_SELECTOR, f"#{tbody} tr")
-    ]
+    """The text of each cell of each row of the table body ``#tbody``, read in one
+    step: the page's script may replace the rows between two reads."""
+    found: list[list[str]] = browser.execute_script(_ROWS, f"#{tbody} tr")
+    return found
 
 
 async def test_a_stale_write_appears_live_and_a_job_shows_its_timeline(
