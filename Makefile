@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: demo test servers lint typecheck pytest chaos bench audit lock clean
+.PHONY: demo test servers lint typecheck model pytest chaos bench audit lock clean
 
 # Every dependency, tools included, at the versions and hashes CI tested:
 # requirements/dev.lock (and requirements/server.lock, what `serve` needs, for a
@@ -47,15 +47,28 @@ $(DEMO_STAMP): pyproject.toml requirements/demo.lock
 demo: $(DEMO_STAMP)
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m fenceproxy demo
 
-## Lint, types and the whole test suite.
-test: lint typecheck pytest
+## Lint, types, the protocol model and the whole test suite.
+test: lint typecheck model pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check fenceproxy tests bench examples
-	$(BIN)/ruff format --check fenceproxy tests bench examples
+	$(BIN)/ruff check fenceproxy tests bench examples model
+	$(BIN)/ruff format --check fenceproxy tests bench examples model
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+## The protocol model (model/fenceproxy.pml) checked by spin: the protocol passes
+## within the bounds model/check.py states, and every deliberate bug in it fails with
+## a counterexample. Installs Debian's spin and gcc when missing (as root).
+model:
+	@if ! command -v spin >/dev/null 2>&1 || ! command -v gcc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing spin and gcc from Debian's packages"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends spin gcc libc6-dev >/dev/null; \
+	  fi; \
+	fi
+	$(PYTHON) model/check.py
 
 pytest: $(STAMP) servers
 	$(BIN)/pytest

@@ -1,0 +1,424 @@
+/*
+ * fenceproxy's protocol for one job, as spin checks it (model/check.py runs it).
+ *
+ * Actors: WORKERS workers that claim, renew, complete, release and write through
+ * any of PROXIES proxies; the store, whose transactions are the atomic blocks
+ * below; the upstream, which applies the writes it receives in the order they
+ * arrive, each after a delay of its own; crashes of proxies; and the store's
+ * clock, the only clock any decision reads.
+ *
+ * Every worker has the same owner name (one worker restarted while its old
+ * incarnation is paused somewhere), so only the generation tells their leases
+ * apart: the owner check is never what keeps them apart here.
+ *
+ * Time is counted in ticks of the store's clock. A lease lasts TTL; a route's
+ * connect_timeout + timeout is TIMEOUT and its quarantine QUAR; the proxy sends
+ * an admitted write within SLACK of its admission (fenceproxy/proxy.py,
+ * _TURN_SLACK), so a write's in-flight record lasts HOLD. The upstream is assumed
+ * to apply a write, if ever, within TIMEOUT + QUAR of its sending: that is what a
+ * route's quarantine says. The proxy's own timers are read on the store's clock:
+ * a proxy whose clock runs slower than the store's by more than the slack is
+ * outside the model.
+ *
+ * Each mutant (-DNAME, listed in model/check.py) is a deliberate protocol bug that
+ * must fail. The printf lines tell a counterexample's story when a trail is
+ * replayed (pan -r -S); the verifier does not print them.
+ */
+
+#ifndef WORKERS
+#define WORKERS 2
+#endif
+#ifndef PROXIES
+#define PROXIES 1
+#endif
+#ifndef MAXGEN
+#define MAXGEN 3        /* claims handed out, at most */
+#endif
+#ifndef MAXT
+#define MAXT 3          /* the store's clock runs from 0 to MAXT */
+#endif
+#ifndef MAXCRASH
+#define MAXCRASH 1      /* proxy crashes, at most */
+#endif
+#ifndef KEYS
+#define KEYS 1          /* idempotency keys the workers draw from */
+#endif
+#define TTL 2
+#define TIMEOUT 1
+#define QUAR 1
+#define SLACK 0
+#define HOLD (SLACK + TIMEOUT + QUAR)
+
+#define NOKEY KEYS                       /* a write without a key */
+#define TURNS 8                          /* turn names per worker */
+#define SLOTS (2 * WORKERS)              /* writes on the wire at once, at most */
+#define CRASHED 255                      /* the holder a restart would invent */
+
+/* The store's clock (time.time() where the store runs, or PostgreSQL's now). */
+byte now;
+
+/* The job's lease (leases table; decisions in fenceproxy/leasing.py). */
+mtype = { NONE, HELD, RELEASED, COMPLETED };
+mtype lstate = NONE;
+byte lgen;
+byte luntil;
+
+/* The fence: the highest generation accepted (fences table). */
+byte fence;
+
+/* The job's in-flight record (inflight table): which turn may have a write at
+   the upstream, and until when. */
+byte rholder;                            /* 0: none */
+byte rexpires;
+
+/* The job's idempotency keys (idempotency_keys table). */
+mtype = { KNONE, KIN, KDONE, KUNKNOWN };
+mtype kstate[KEYS];
+byte kgen[KEYS];                         /* the fingerprint: the generation that sent it */
+byte kholder[KEYS];                      /* the turn that took it */
+
+/* The wire between the proxies and the upstream: a bag, not a queue. */
+bool mfull[6];
+byte mgen[6];
+byte mkey[6];
+byte mdead[6];                           /* the upstream applies it only before then */
+byte mturn[6];
+
+/* Each proxy process: a crash and restart is a new epoch, its memory gone. */
+byte epoch[PROXIES];
+
+/* The answer to each worker's write, as its proxy got it: the turn it answers. */
+byte answer[WORKERS];
+
+/* Ghosts: what happened, for the properties. Nothing above reads them. */
+byte applied;                            /* highest generation the upstream applied */
+byte claimed;                            /* highest generation whose claim was told */
+byte issued;                             /* highest generation ever handed out */
+bool kapplied[KEYS];                     /* the upstream applied this key's write */
+byte bgen[WORKERS];                      /* the lease a worker was told it holds ... */
+byte buntil[WORKERS];                    /* ... until then, on the store's clock */
+
+#define live_record (rholder != 0 && rexpires > now)
+#define lease_live(g) (lgen == (g) && lstate == HELD && now < luntil)
+#define forget(k) kstate[k] = KNONE; kgen[k] = 0; kholder[k] = 0
+#define drop(i) mfull[i] = false; mgen[i] = 0; mkey[i] = 0; mdead[i] = 0; mturn[i] = 0
+#define give_back(t) if :: rholder == t -> rholder = 0; rexpires = 0 :: else fi
+
+/* A turn names one attempt at a write, unlike any other the store or the wire
+   still holds (fenceproxy.fencing._new_turn: a process prefix and a counter).
+   The model takes the first free name, so names never tell two states apart. */
+#define new_turn(w, t) \
+	t = 1 + (w) * TURNS; \
+	do \
+	:: t == rholder || t == mturn[0] || t == mturn[1] || t == mturn[2] \
+	   || t == mturn[3] || t == mturn[4] || t == mturn[5] -> t++ \
+	:: else -> break \
+	od; \
+	assert(t <= (w + 1) * TURNS)
+
+/* Property: no two workers are told they hold the job at one instant. */
+#define exclusive(w) \
+	for (v : 0 .. WORKERS - 1) { \
+		assert(v == w || bgen[v] == 0 || buntil[v] <= now) \
+	}
+
+/* Properties of what reaches the upstream, checked as it applies a write. */
+#define land(i) \
+	assert(mgen[i] >= applied);   /* never an older generation after a newer one */ \
+	assert(mgen[i] >= claimed);   /* never an old holder's after a newer claim was told */ \
+	applied = mgen[i]; \
+	if \
+	:: mkey[i] != NOKEY -> assert(!kapplied[mkey[i]]); kapplied[mkey[i]] = true \
+	:: else \
+	fi
+
+active proctype Clock()
+{
+	byte i;
+end:	do
+	:: atomic {
+		now < MAXT -> now++;
+		printf("--- the store's clock reads %d\n", now);
+		/* What no longer tells states apart is forgotten: a lease that has run
+		   out, a belief that has, a write the upstream may no longer apply. */
+		if
+		:: luntil <= now -> luntil = 0
+		:: else
+		fi;
+		for (i : 0 .. WORKERS - 1) {
+			if
+			:: buntil[i] <= now -> bgen[i] = 0; buntil[i] = 0
+			:: else
+			fi
+		}
+		for (i : 0 .. SLOTS - 1) {
+			if
+			:: mfull[i] && mdead[i] <= now -> drop(i)
+			:: else
+			fi
+		}
+		i = 0
+	}
+	od
+}
+
+active proctype Crashes()
+{
+	byte crashes, p;
+end:	do
+	:: crashes < MAXCRASH ->
+		atomic {
+			select(p : 0 .. PROXIES - 1);
+			printf("proxy %d crashes and restarts\n", p);
+			epoch[p]++;
+			crashes++;
+#ifdef CRASH_FREES_ALL
+			rholder = 0;             /* records tied to the dead proxy's session */
+#endif
+#ifdef CRASH_HOLDS_ALL
+			rholder = CRASHED;       /* a restart that holds every job */
+			rexpires = now + HOLD;
+#endif
+			p = 0
+		}
+	od
+}
+
+active proctype Upstream()
+{
+	byte i, w;
+end:	do
+	:: atomic {
+		if   /* any write on the wire, whenever it was sent */
+		:: mfull[0] -> i = 0
+		:: mfull[1] -> i = 1
+		:: mfull[2] -> i = 2
+		:: mfull[3] -> i = 3
+		:: mfull[4] -> i = 4
+		:: mfull[5] -> i = 5
+		fi;
+		w = (mturn[i] - 1) / TURNS;
+		if
+		:: now < mdead[i] ->
+			printf("upstream applies worker %d's write of generation %d\n", w, mgen[i]);
+			land(i);
+			answer[w] = mturn[i]
+		:: now < mdead[i] ->
+			printf("upstream applies worker %d's write of generation %d; the answer is lost\n",
+				w, mgen[i]);
+			land(i)
+		:: printf("upstream never applies worker %d's write of generation %d\n", w, mgen[i])
+		fi;
+		drop(i); i = 0; w = 0
+	}
+	od
+}
+
+proctype Worker(byte w)
+{
+	byte g;                  /* the generation it was last given */
+	byte k, p, e, t, at, v, ng;
+	bool checked;
+
+end:	do
+	:: atomic {              /* claim: leasing.claim and after_writes, in Store.change_lease */
+		if
+		:: lstate == COMPLETED -> printf("worker %d: claim refused, job-completed\n", w)
+		:: lstate == HELD && now < luntil -> printf("worker %d: claim refused, lease-held\n", w)
+#ifndef CLAIM_IGNORES_WRITES
+		:: lstate != COMPLETED && !(lstate == HELD && now < luntil) && live_record ->
+			printf("worker %d: claim refused, write-in-flight\n", w)
+#endif
+		:: else ->
+			ng = (lgen > fence -> lgen : fence) + 1;
+			if
+			:: ng <= MAXGEN ->
+				assert(ng > issued);     /* generations never repeat */
+				issued = ng;
+				lgen = ng; lstate = HELD; luntil = now + TTL;
+#ifndef CLAIM_NO_RAISE
+				fence = ng;
+#endif
+				claimed = ng;
+				printf("worker %d claims generation %d, until %d\n", w, ng, luntil);
+				exclusive(w);
+				g = ng; bgen[w] = g; buntil[w] = luntil
+			:: else
+			fi;
+			ng = 0
+		fi;
+		v = 0
+	}
+	:: g > 0 -> atomic {     /* renew: leasing.renew */
+		if
+#ifdef RENEW_NO_GEN_CHECK
+		:: lstate == HELD && now < luntil ->
+#else
+		:: lease_live(g) ->
+#endif
+			luntil = now + TTL;
+			printf("worker %d renews generation %d, until %d\n", w, g, luntil);
+			exclusive(w);
+			bgen[w] = g; buntil[w] = luntil
+		:: else ->
+			printf("worker %d: renewal of generation %d refused; the lease is lost\n", w, g);
+			bgen[w] = 0; buntil[w] = 0
+		fi;
+		v = 0
+	}
+	:: g > 0 -> atomic {     /* complete or release: leasing.complete, leasing.release */
+		if
+		:: lease_live(g) ->
+			if
+			:: lstate = COMPLETED; printf("worker %d completes the job\n", w)
+			:: lstate = RELEASED; printf("worker %d releases the job\n", w)
+			fi;
+			luntil = 0
+		:: else
+		fi;
+		bgen[w] = 0; buntil[w] = 0
+	}
+	:: g > 0 ->              /* a write through a proxy: Proxy._forward_fenced */
+		atomic {
+			select(k : 0 .. NOKEY);
+			select(p : 0 .. PROXIES - 1);
+			if
+			:: checked = true    /* a lease-checked route */
+			:: checked = false
+			fi;
+			e = epoch[p];
+			new_turn(w, t);
+			if
+			:: k == NOKEY -> printf("worker %d sends a write of generation %d to proxy %d\n", w, g, p)
+			:: else -> printf("worker %d sends a write of generation %d with key %d to proxy %d\n",
+				w, g, k, p)
+			fi
+		};
+admit:		/* Store.admit: the key, the fence, the lease and the record, in one transaction */
+		atomic {
+			if
+			:: epoch[p] != e -> goto done
+			:: else
+			fi;
+			if   /* idempotency-key-reused, duplicate-in-flight, -outcome-unknown, a replay */
+			:: k != NOKEY && kstate[k] != KNONE ->
+				printf("  refused or replayed: key %d is on record\n", k);
+				goto done
+			:: else
+			fi;
+#ifndef FENCE_AFTER_FORWARD
+			if
+			:: g < fence -> printf("  refused: stale-generation, the fence is %d\n", fence); goto done
+			:: else
+			fi;
+#endif
+			if
+			:: checked && !lease_live(g) -> printf("  refused: lease-not-live\n"); goto done
+			:: else
+			fi;
+			if
+			:: live_record && rholder != t ->
+				/* busy: only a write that took the record holds its job */
+				assert(rholder != CRASHED);
+				if
+				:: goto admit        /* polls again, up to the route's timeout */
+				:: printf("  refused: job-quarantined, the record holds until %d\n", rexpires);
+				   goto done
+				fi
+			:: else
+			fi;
+			rholder = t; rexpires = now + HOLD;
+#ifndef FENCE_AFTER_FORWARD
+			fence = (g > fence -> g : fence);
+#endif
+			if
+			:: k != NOKEY -> kstate[k] = KIN; kgen[k] = g; kholder[k] = t
+			:: else
+			fi;
+			printf("  admitted; the job's record holds until %d\n", rexpires);
+			at = now
+		};
+		/* Sent only within SLACK of the admission: a proxy that stalled gives it back. */
+		atomic {
+			if
+			:: epoch[p] != e -> goto done
+#ifndef NO_SEND_DEADLINE
+			:: now > at + SLACK ->
+				printf("  proxy %d stalled: worker %d's write is given back, not sent\n", p, w);
+				if
+				:: k != NOKEY && kstate[k] == KIN && kholder[k] == t -> forget(k)
+				:: else
+				fi;
+				give_back(t);
+				goto done
+#endif
+			:: else ->
+				v = 0;
+				do
+				:: mfull[v] -> v++
+				:: else -> break
+				od;
+				assert(v < SLOTS);
+				mfull[v] = true; mgen[v] = g; mkey[v] = k; mturn[v] = t;
+				mdead[v] = now + TIMEOUT + QUAR;
+				printf("  proxy %d forwards worker %d's write\n", p, w);
+				at = now;    /* from here on: when it was sent */
+#ifdef EARLY_RELEASE
+				give_back(t);
+#endif
+				v = 0
+			fi
+		};
+		/* The answer, or the route's timeout. */
+		if
+		:: epoch[p] != e -> goto done
+		:: atomic {
+			epoch[p] == e && answer[w] == t ->
+			/* the key settles first, then the record is given back */
+			if
+			:: k != NOKEY && kstate[k] == KIN && kholder[k] == t -> kstate[k] = KDONE
+			:: else
+			fi;
+#ifdef FENCE_AFTER_FORWARD
+			fence = (g > fence -> g : fence);
+#endif
+			give_back(t);
+			printf("  worker %d's write is answered\n", w);
+			goto done
+		   }
+		:: atomic {
+			epoch[p] == e && now >= at + TIMEOUT ->
+			/* outcome unknown: the key says so, the record stays for QUAR */
+			if
+			:: k != NOKEY && kstate[k] == KIN && kholder[k] == t ->
+#ifdef KEY_FORGET_ON_TIMEOUT
+				forget(k)
+#else
+				kstate[k] = KUNKNOWN
+#endif
+			:: else
+			fi;
+			if
+			:: rholder == t -> rexpires = (now + QUAR > rexpires -> now + QUAR : rexpires)
+			:: else
+			fi;
+			printf("  worker %d's write timed out: outcome unknown\n", w);
+			goto done
+		   }
+		fi;
+done:		atomic { k = 0; p = 0; e = 0; t = 0; at = 0; checked = false; answer[w] = 0 }
+	od
+}
+
+init
+{
+	byte i;
+	atomic {
+		for (i : 0 .. KEYS - 1) {
+			kstate[i] = KNONE
+		}
+		for (i : 0 .. WORKERS - 1) {
+			run Worker(i)
+		}
+	}
+}
