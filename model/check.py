@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,8 +35,9 @@ class Check:
     name: str
     bounds: dict[str, int]
     bitstate: bool = False
-    minutes: int = 0
-    """For a bitstate search: stop after this long (pan -Q)."""
+    seconds: int = 0
+    """For a bitstate search: stop it after this long (SIGINT, after which pan
+    reports what it has visited)."""
     mutant: str | None = None
     what: str = ""
 
@@ -53,7 +55,7 @@ LARGE = {"WORKERS": 3, "PROXIES": 2, "KEYS": 2, "MAXGEN": 4, "MAXT": 4, "MAXCRAS
 CHECKS = [
     Check("exhaustive: one proxy that crashes", SMALL),
     Check("exhaustive: two proxies sharing the store", TWO_PROXIES),
-    Check("bitstate: three workers, two proxies, two keys", LARGE, bitstate=True, minutes=1),
+    Check("bitstate: three workers, two proxies, two keys", LARGE, bitstate=True, seconds=30),
 ]
 
 # What each assertion of the model means, for a reader of a counterexample.
@@ -101,11 +103,20 @@ def verify(check: Check, work: Path) -> Outcome:
     run(["gcc", *cflags, "-o", "pan", "pan.c"], work)
     args = ["./pan", "-m100000"]
     if check.bitstate:
-        args += ["-w32", f"-Q{check.minutes}"]
+        args.append("-w32")  # 512 MB of bits
     if check.mutant:
         args.append("-I")  # the shortest counterexample it can find: the clearest story
     started = time.monotonic()
-    out = run(args, work, check=False)
+    with subprocess.Popen(
+        args, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as pan:
+        try:
+            out, _ = pan.communicate(timeout=check.seconds or None)
+            stopped = False
+        except subprocess.TimeoutExpired:
+            pan.send_signal(signal.SIGINT)
+            out, _ = pan.communicate()
+            stopped = True
     seconds = time.monotonic() - started
     errors = int(_find(r"errors: (\d+)", out, "0"))
     return Outcome(
@@ -113,14 +124,16 @@ def verify(check: Check, work: Path) -> Outcome:
         states=int(float(_find(r"([\d.e+]+) states, stored", out, "0"))),
         seconds=seconds,
         memory_mb=float(_find(r"([\d.]+)\s+total actual memory usage", out, "0")),
-        complete="Search not completed" not in out and "max search depth too small" not in out,
+        complete=not stopped
+        and "Search not completed" not in out
+        and "max search depth too small" not in out,
         violated=_meaning(_find(r"assertion violated (.*) \(at depth", out, "")),
         hash_factor=_find(r"hash factor: ([\d.]+)", out, ""),
         output=out,
     )
 
 
-def story(work: Path, check: Check) -> str:
+def story(work: Path) -> str:
     """The counterexample's story: the model's printf lines, replayed from its trail."""
     replay = run(["./pan", "-r", "-S"], work, check=False)
     lines = []
@@ -168,44 +181,59 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no check is named {' '.join(args.only)}")
     failed = []
     for check in checks:
-        with tempfile.TemporaryDirectory(prefix="fenceproxy-model-") as tmp:
-            work = Path(tmp)
-            if args.keep:
-                work = args.keep / re.sub(r"\W+", "-", check.name).strip("-")
-                work.mkdir(parents=True, exist_ok=True)
-            outcome = verify(check, work)
-            bounds = " ".join(f"{k}={v}" for k, v in check.bounds.items())
-            figures = f"{outcome.states:,} states, {outcome.seconds:.1f} s"
-            if check.mutant is None:
-                if check.bitstate:
-                    figures += f", hash factor {outcome.hash_factor}"
-                    if not outcome.complete:
-                        figures += f", stopped at the {check.minutes} min limit"
-                else:
-                    figures += f", {outcome.memory_mb:.0f} MB"
-                if outcome.errors:
-                    failed.append(check.name)
-                    print(f"FAIL {check.name} ({bounds}): {figures}")
-                    print(f"     violated: {outcome.violated}")
-                    print(_indent(story(work, check)))
-                elif not (outcome.complete or check.bitstate):
-                    failed.append(check.name)
-                    print(f"FAIL {check.name} ({bounds}): the search did not complete")
-                    print(_indent(outcome.output))
-                else:
-                    print(f"ok   {check.name} ({bounds}): {figures}")
-            elif outcome.errors:
-                print(f"ok   {check.name}: {check.what}; caught ({figures})")
-                print(f"     violated: {outcome.violated}")
-                print(_indent(story(work, check)))
-            else:
-                failed.append(check.name)
-                print(f"FAIL {check.name}: {check.what}; NOT caught ({figures})")
+        passed, report = check_one(check, args.keep)
+        print(report, flush=True)
+        if not passed:
+            failed.append(check.name)
     if failed:
         print(f"{len(failed)} of {len(checks)} checks failed: {', '.join(failed)}")
         return 1
     print(f"all {len(checks)} checks passed")
     return 0
+
+
+def check_one(check: Check, keep: Path | None) -> tuple[bool, str]:
+    """Run ``check``; whether it went as it must, and what to print of it."""
+    with tempfile.TemporaryDirectory(prefix="fenceproxy-model-") as tmp:
+        work = Path(tmp)
+        if keep:
+            work = keep / re.sub(r"\W+", "-", check.name).strip("-")
+            work.mkdir(parents=True, exist_ok=True)
+        outcome = verify(check, work)
+        bounds = " ".join(f"{k}={v}" for k, v in check.bounds.items())
+        figures = f"{outcome.states:,} states, {outcome.seconds:.1f} s"
+        if check.mutant is not None:
+            if not outcome.errors:
+                return False, f"FAIL {check.name}: {check.what}; NOT caught ({figures})"
+            return True, "\n".join(
+                [
+                    f"ok   {check.name}: {check.what}; caught ({figures})",
+                    f"     violated: {outcome.violated}",
+                    _indent(story(work)),
+                ]
+            )
+        if check.bitstate:
+            figures += f", hash factor {outcome.hash_factor}"
+            if not outcome.complete:
+                figures += f", stopped at its {check.seconds} s limit"
+        else:
+            figures += f", {outcome.memory_mb:.0f} MB"
+        if outcome.errors:
+            return False, "\n".join(
+                [
+                    f"FAIL {check.name} ({bounds}): {figures}",
+                    f"     violated: {outcome.violated}",
+                    _indent(story(work)),
+                ]
+            )
+        if not (outcome.complete or check.bitstate):
+            return False, "\n".join(
+                [
+                    f"FAIL {check.name} ({bounds}): the search did not complete",
+                    _indent(outcome.output),
+                ]
+            )
+        return True, f"ok   {check.name} ({bounds}): {figures}"
 
 
 def _meaning(assertion: str) -> str:
