@@ -241,13 +241,13 @@ async def test_postgres_must_be_migrated_before_it_serves(
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 2" in capsys.readouterr().out
+    assert "schema version 0 -> 3" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 2, up to date" in capsys.readouterr().out
+    assert "schema version 3, up to date" in capsys.readouterr().out
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 2"):
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 3"):
         await PostgresStore.open(fresh_postgres)
 
 
@@ -265,7 +265,7 @@ async def test_a_postgres_store_of_the_first_version_keeps_one_key_per_job(
         " ('new', 'j', 'k', 'completed', '\\x6b', 2, 2, 1e12),"
         " ('old', 'i', 'k', 'completed', '\\x6b', 1, 1, 1e12)",
     )
-    assert await PostgresStore.migrate(fresh_postgres) == (1, 2)
+    assert await PostgresStore.migrate(fresh_postgres) == (1, postgres_store.SCHEMA_VERSION)
     conn = await asyncpg.connect(fresh_postgres)
     try:
         rows = await conn.fetch("SELECT route, job, key FROM idempotency_keys ORDER BY job")
@@ -276,7 +276,8 @@ async def test_a_postgres_store_of_the_first_version_keeps_one_key_per_job(
 
 async def test_two_migrations_at_once_take_turns(fresh_postgres: str) -> None:
     results = await asyncio.gather(*(PostgresStore.migrate(fresh_postgres) for _ in range(4)))
-    assert sorted(results) == [(0, 2), (2, 2), (2, 2), (2, 2)]
+    latest = postgres_store.SCHEMA_VERSION
+    assert sorted(results) == [(0, latest)] + [(latest, latest)] * 3
 
 
 async def test_an_unreachable_postgres_is_a_clear_error(
