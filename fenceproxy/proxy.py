@@ -520,10 +520,14 @@ class Proxy:
                     )
             finally:
                 # The upstream has answered, or the write never left, or its outcome
-                # is unknown (a cancellation mid-send included: it may land).
-                if keyed:
-                    await self._settle(write, outcome)
-                await self._end_turn(write, route, unknown=in_doubt)
+                # is unknown (a cancellation mid-send included: it may land). The
+                # key settles first; a cancellation meanwhile is seen once it has,
+                # and the turn is still given back.
+                try:
+                    if keyed:
+                        await self._settle(write, outcome)
+                finally:
+                    await self._end_turn(write, route, unknown=in_doubt)
         except BaseException:
             if upstream is not None:
                 upstream.release()

@@ -215,6 +215,30 @@ async def test_cancelled_admission_releases_the_key(
     assert len(upstream.received) == 1
 
 
+async def test_a_handler_cancelled_while_its_key_settles_still_gives_the_job_back(
+    start_proxy: ProxyFactory, faulty: FaultyStore, upstream: RecordingUpstream
+) -> None:
+    """The upstream answered; the client gives up while the answer is stored under
+    its key. The key settles, then the job's in-flight record is given back: the
+    job is not held (nor its claims refused) for the record's whole time."""
+    proxy = await start_proxy(store=faulty, server_kwargs={"handler_cancellation": True})
+    settling = gate(faulty, "complete_key")
+    attempt = asyncio.ensure_future(fenced(proxy, "j", 1, key="k", body={"a": 1}))
+    await asyncio.wait_for(faulty.entered.wait(), 5)
+    attempt.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await attempt
+    faulty.gated = ""
+    settling.set()
+    async with asyncio.timeout(5):
+        while (await faulty.inspect("j")).in_flight is not None:
+            await asyncio.sleep(0.01)
+    view = await faulty.inspect("j")
+    assert [(key.key, key.state) for key in view.keys] == [("k", "completed")]
+    assert (await fenced(proxy, "j", 1, body={"b": 2})).status == 200
+    assert len(upstream.received) == 2
+
+
 async def test_an_upstream_that_trickles_its_answer_is_cut_off_within_the_record(
     start_proxy: ProxyFactory,
 ) -> None:
