@@ -46,8 +46,14 @@
 #define TTL 2
 #define TIMEOUT 1
 #define QUAR 1
+#ifndef SLACK
 #define SLACK 0
+#endif
+#ifdef HOLD_NO_SLACK
+#define HOLD (TIMEOUT + QUAR)
+#else
 #define HOLD (SLACK + TIMEOUT + QUAR)
+#endif
 
 #define NOKEY KEYS                       /* a write without a key */
 #define TURNS 8                          /* turn names per worker */
@@ -106,7 +112,9 @@ byte buntil[WORKERS];                    /* ... until then, on the store's clock
 
 /* A turn names one attempt at a write, unlike any other the store or the wire
    still holds (fenceproxy.fencing._new_turn: a process prefix and a counter).
-   The model takes the first free name, so names never tell two states apart. */
+   The model takes the first free name, so names never tell two states apart; a
+   late answer to an earlier turn is forgotten when the worker's next write
+   starts, since that turn's write has left the wire. */
 #define new_turn(w, t) \
 	t = 1 + (w) * TURNS; \
 	do \
@@ -287,6 +295,7 @@ end:	do
 			:: checked = false
 			fi;
 			e = epoch[p];
+			answer[w] = 0;
 			new_turn(w, t);
 			if
 			:: k == NOKEY -> printf("worker %d sends a write of generation %d to proxy %d\n", w, g, p)
@@ -312,10 +321,12 @@ admit:		/* Store.admit: the key, the fence, the lease and the record, in one tra
 			:: else
 			fi;
 #endif
+#ifndef NO_LEASE_CHECK
 			if
 			:: checked && !lease_live(g) -> printf("  refused: lease-not-live\n"); goto done
 			:: else
 			fi;
+#endif
 			if
 			:: live_record && rholder != t ->
 				/* busy: only a write that took the record holds its job */
@@ -327,6 +338,8 @@ admit:		/* Store.admit: the key, the fence, the lease and the record, in one tra
 				fi
 			:: else
 			fi;
+			/* a lease-checked route admits only the holder of a live lease */
+			assert(!checked || lease_live(g));
 			rholder = t; rexpires = now + HOLD;
 #ifndef FENCE_AFTER_FORWARD
 			fence = (g > fence -> g : fence);
