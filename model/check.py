@@ -47,49 +47,66 @@ class Check:
 
 
 # The bounds every check states. One job throughout; the store's clock is counted
-# in ticks (a lease lasts 2, a write's in-flight record 2: see the model's header).
+# in ticks (a lease lasts 2, a write's in-flight record 2 plus the slack: see the
+# model's header).
 SMALL = {"WORKERS": 2, "PROXIES": 1, "KEYS": 1, "MAXGEN": 3, "MAXT": 3, "MAXCRASH": 1}
-TWO_PROXIES = {"WORKERS": 2, "PROXIES": 2, "KEYS": 1, "MAXGEN": 3, "MAXT": 2, "MAXCRASH": 1}
+TWO_PROXIES = {**SMALL, "PROXIES": 2, "MAXT": 2}
+MORE_CLAIMS = {**SMALL, "MAXGEN": 4, "MAXT": 2, "MAXCRASH": 0}
+SLACK = {**SMALL, "SLACK": 1}
 LARGE = {"WORKERS": 3, "PROXIES": 2, "KEYS": 2, "MAXGEN": 4, "MAXT": 4, "MAXCRASH": 2}
 
 CHECKS = [
     Check("exhaustive: one proxy that crashes", SMALL),
     Check("exhaustive: two proxies sharing the store", TWO_PROXIES),
+    Check("exhaustive: four claims", MORE_CLAIMS),
+    Check("exhaustive: a turn slack of one tick", SLACK),
     Check("bitstate: three workers, two proxies, two keys", LARGE, bitstate=True, seconds=30),
 ]
 
-# What each assertion of the model means, for a reader of a counterexample.
+# What each assertion of the model means, for a reader of a counterexample. A mutant
+# counts as caught only by one of these, not by a bound of the model running out.
 PROPERTIES = {
     "mgen[i]>=applied": "a write of an older generation reached the upstream after a newer one",
     "mgen[i]>=claimed": "an old holder's write reached the upstream after a newer claim was told",
     "kapplied": "a keyed write was applied twice",
     "buntil[v]<=now": "two workers were told they hold the job at one instant",
-    "rholder!=255": "a job was held with no write in flight",
     "ng>issued": "a generation was handed out twice",
+    "rholder!=255": "a job was held with no write in flight",
+    "!(checked)": "a lease-checked route admitted a write without a live lease",
 }
 
+# Each mutant: the bug, and the bounds it is checked within.
 MUTANTS = {
-    "FENCE_AFTER_FORWARD": "the fence is checked and raised after forwarding, not before",
-    "CLAIM_NO_RAISE": "a claim does not raise the fence to its generation",
-    "CLAIM_IGNORES_WRITES": "a claim does not wait for a write in flight",
-    "EARLY_RELEASE": "the in-flight record is given back once the write is sent, not answered",
-    "RENEW_NO_GEN_CHECK": "renew checks the owner and not the generation",
-    "CRASH_FREES_ALL": "a proxy's crash frees every job (records tied to its session)",
-    "CRASH_HOLDS_ALL": "a proxy's restart holds every job, written to or not",
-    "KEY_FORGET_ON_TIMEOUT": "an unanswered keyed write forgets its key instead of marking it",
-    "NO_SEND_DEADLINE": "a proxy that stalled after the admission sends the write anyway",
+    "FENCE_AFTER_FORWARD": ("the fence is checked and raised after forwarding", SMALL),
+    "CLAIM_NO_RAISE": ("a claim does not raise the fence to its generation", SMALL),
+    "CLAIM_IGNORES_WRITES": ("a claim does not wait for a write in flight", SMALL),
+    "EARLY_RELEASE": ("the in-flight record is given back once the write is sent", SMALL),
+    "RENEW_NO_GEN_CHECK": ("renew checks the owner and not the generation", SMALL),
+    "CRASH_FREES_ALL": ("a proxy's crash frees every job (records tied to its session)", SMALL),
+    "CRASH_HOLDS_ALL": ("a proxy's restart holds every job, written to or not", SMALL),
+    "KEY_FORGET_ON_TIMEOUT": ("an unanswered keyed write forgets its key", SMALL),
+    "NO_SEND_DEADLINE": ("a proxy that stalled after the admission sends anyway", SMALL),
+    "HOLD_NO_SLACK": ("the in-flight record does not count the turn slack", SLACK),
+    "NO_LEASE_CHECK": ("a lease-checked route does not check the lease", SMALL),
 }
-CHECKS += [Check(f"mutant {name}", SMALL, mutant=name, what=what) for name, what in MUTANTS.items()]
+CHECKS += [
+    Check(f"mutant {name}", bounds, mutant=name, what=what)
+    for name, (what, bounds) in MUTANTS.items()
+]
 
 
 @dataclass
 class Outcome:
+    finished: bool
+    """pan ran to a report: its error count, some states, not out of memory."""
     errors: int
     states: int
     seconds: float
     memory_mb: float
     complete: bool
     violated: str
+    property: str | None
+    """What the violated assertion means, if it is one of :data:`PROPERTIES`."""
     hash_factor: str
     output: str
 
@@ -118,16 +135,21 @@ def verify(check: Check, work: Path) -> Outcome:
             out, _ = pan.communicate()
             stopped = True
     seconds = time.monotonic() - started
-    errors = int(_find(r"errors: (\d+)", out, "0"))
+    killed = pan.returncode < 0 and not stopped
+    errors = _find(r"errors: (\d+)", out, "")
+    states = int(float(_find(r"([\d.e+]+) states, stored", out, "0")))
+    violated = _find(r"assertion violated (.*) \(at depth", out, "").strip()
     return Outcome(
-        errors=errors,
-        states=int(float(_find(r"([\d.e+]+) states, stored", out, "0"))),
+        finished=bool(errors) and states > 0 and "out of memory" not in out and not killed,
+        errors=int(errors or 0),
+        states=states,
         seconds=seconds,
         memory_mb=float(_find(r"([\d.]+)\s+total actual memory usage", out, "0")),
         complete=not stopped
         and "Search not completed" not in out
         and "max search depth too small" not in out,
-        violated=_meaning(_find(r"assertion violated (.*) \(at depth", out, "")),
+        violated=violated,
+        property=next((m for e, m in PROPERTIES.items() if e in violated), None),
         hash_factor=_find(r"hash factor: ([\d.]+)", out, ""),
         output=out,
     )
@@ -202,13 +224,23 @@ def check_one(check: Check, keep: Path | None) -> tuple[bool, str]:
         outcome = verify(check, work)
         bounds = " ".join(f"{k}={v}" for k, v in check.bounds.items())
         figures = f"{outcome.states:,} states, {outcome.seconds:.1f} s"
+        if not outcome.finished:
+            return False, "\n".join(
+                [f"FAIL {check.name}: pan did not finish", _indent(outcome.output[-3000:])]
+            )
+        violated = f"     violated: {outcome.property} (assert {outcome.violated})"
         if check.mutant is not None:
-            if not outcome.errors:
-                return False, f"FAIL {check.name}: {check.what}; NOT caught ({figures})"
+            if not (outcome.errors and outcome.property):
+                return False, "\n".join(
+                    [
+                        f"FAIL {check.name}: {check.what}; NOT caught ({figures})",
+                        *([violated] if outcome.errors else []),
+                    ]
+                )
             return True, "\n".join(
                 [
                     f"ok   {check.name}: {check.what}; caught ({figures})",
-                    f"     violated: {outcome.violated}",
+                    violated,
                     _indent(story(work)),
                 ]
             )
@@ -220,11 +252,7 @@ def check_one(check: Check, keep: Path | None) -> tuple[bool, str]:
             figures += f", {outcome.memory_mb:.0f} MB"
         if outcome.errors:
             return False, "\n".join(
-                [
-                    f"FAIL {check.name} ({bounds}): {figures}",
-                    f"     violated: {outcome.violated}",
-                    _indent(story(work)),
-                ]
+                [f"FAIL {check.name} ({bounds}): {figures}", violated, _indent(story(work))]
             )
         if not (outcome.complete or check.bitstate):
             return False, "\n".join(
@@ -234,13 +262,6 @@ def check_one(check: Check, keep: Path | None) -> tuple[bool, str]:
                 ]
             )
         return True, f"ok   {check.name} ({bounds}): {figures}"
-
-
-def _meaning(assertion: str) -> str:
-    for expression, meaning in PROPERTIES.items():
-        if expression in assertion:
-            return f"{meaning} (assert {assertion.strip()})"
-    return assertion
 
 
 def _indent(text: str) -> str:
