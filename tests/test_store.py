@@ -294,6 +294,10 @@ async def test_an_unreachable_postgres_is_a_clear_error(
     assert "Traceback" not in err
 
 
+def _claim(job: str, owner: str = "w") -> Callable[..., Lease | Refusal]:
+    return lambda cur, fence, now: leasing.claim(cur, fence, job, owner, 5.0, now)
+
+
 async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fence(
     postgres: PostgresServer,
 ) -> None:
@@ -301,8 +305,6 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
     they commit in, the fence never goes down, and a claim that comes second waits
     for the admitted write: it is refused `write-in-flight`, never granted while a
     write of an older generation may still reach the upstream."""
-    from fenceproxy import leasing
-
     url = postgres.url("fenceproxy")
     await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
     admitting, claiming = await open_store(url, key_ttl=60), await open_store(url, key_ttl=60)
@@ -311,9 +313,7 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
         async def race(job: str) -> Lease | Refusal:
             _, (claimed, _) = await asyncio.gather(
                 admit(admitting, FencedWrite("r", job, 100)),
-                claiming.change_lease(
-                    job, lambda cur, fence, now: leasing.claim(cur, fence, job, "w", 5.0, now)
-                ),
+                claiming.change_lease(job, _claim(job)),
             )
             return claimed
 
@@ -412,10 +412,6 @@ async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
     finally:
         await other.close()
         await store.close()
-
-
-def _claim(job: str, owner: str = "w") -> Callable[..., Lease | Refusal]:
-    return lambda cur, fence, now: leasing.claim(cur, fence, job, owner, 5.0, now)
 
 
 async def test_a_claim_waits_for_a_write_in_flight(store: Store, clock: FakeClock) -> None:
