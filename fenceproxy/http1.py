@@ -17,12 +17,25 @@ abandoned closes it, and so does anything the upstream sends unasked.
 What a failure means for a write (``UpstreamError.sent``): only a failure to
 connect is known to have sent nothing. Once a byte of the request may have left,
 the upstream may apply it.
+
+A cut exchange is cut, never finished: when a request fails, times out or is
+cancelled before its answer was read whole, its connection is *aborted*. What the
+proxy still buffered of the request is dropped, and the socket, which discards
+what the kernel still holds unsent (``SO_LINGER`` 0, set when it connects), resets
+the connection: no more of the request reaches the upstream, which sees the body
+end short and never a whole request. A graceful close would flush the rest, so a
+write cut at its deadline could still land long after a newer one. The same holds
+when the process dies: the kernel resets its upstream sockets rather than sending
+their buffers on. A connection is closed gracefully only once its exchange is over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
@@ -50,6 +63,9 @@ _IDLE_FOR = 4.0
 _MAX_LINE = 8190
 _MAX_FIELD = 8190
 _MAX_HEADERS = 128
+# SO_LINGER on, for 0 s: close() drops what is unsent and resets the connection.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+_CLOSE_GRACEFULLY = struct.pack("ii", 0, 0)
 
 
 def map_failure(exc: BaseException) -> UpstreamError:
@@ -72,6 +88,40 @@ def map_failure(exc: BaseException) -> UpstreamError:
 # What an upstream connection can raise once it is open: aiohttp's client errors
 # (the parser's, the protocol's), the socket's, and the read timeout.
 _FAILURES = (ClientError, HttpProcessingError, OSError, TimeoutError)
+
+
+def _linger(conn: ResponseHandler, how: bytes) -> None:
+    transport = conn.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):  # already reset by the peer: nothing to send
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, how)
+
+
+def _close(conn: ResponseHandler) -> None:
+    """End a connection whose exchange is over (or that never had one) with a FIN."""
+    _linger(conn, _CLOSE_GRACEFULLY)
+    conn.close()
+
+
+def _abort(conn: ResponseHandler) -> asyncio.Future[None] | None:
+    """Cut a connection mid-exchange: what is unsent is dropped, in the proxy and in
+    the kernel, and the upstream gets a reset. Returns what is done once the socket
+    is closed (on the loop's next turn), if it is not already."""
+    closed = conn.closed
+    conn.abort()
+    return closed
+
+
+async def _gone(conn: ResponseHandler) -> None:
+    """Abort ``conn`` and return once its socket is closed: nothing more of the
+    exchange can reach the upstream. A cancellation meanwhile is raised, the
+    connection being cut all the same."""
+    closed = _abort(conn)
+    if closed is not None:
+        await asyncio.wait((closed,))
+        if not closed.cancelled():
+            closed.exception()  # retrieved: a reset is what was asked for
 
 
 class UpstreamResponse:
@@ -126,13 +176,22 @@ class UpstreamResponse:
         return bytes(data), True
 
     def release(self) -> None:
+        """Give the connection back to its pool once the answer was read to the end,
+        or cut it (:meth:`cut`, not waiting for the socket to close)."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
         if self._payload.is_eof() and self._payload.exception() is None:
             self._origin.put(conn)
         else:
-            conn.close()
+            _abort(conn)
+
+    async def cut(self) -> None:
+        """Abort the exchange, whatever it still had to send or answer, and return
+        once its socket is closed. The response is released."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await _gone(conn)
 
 
 class Origin:
@@ -212,13 +271,16 @@ class Origin:
                 if not 100 <= message.code < 200 or message.code == 101:
                     break
         except _FAILURES as exc:
-            conn.close()
+            await _gone(conn)
             raise map_failure(exc) from exc
         except BaseException:
-            conn.close()  # cancelled, or the body stream failed: the exchange is cut
+            # Cancelled (a deadline, the client gone, shutdown), or the body stream
+            # failed: the exchange is cut, and only once its socket is gone does
+            # the caller go on (and give the job's turn back).
+            await _gone(conn)
             raise
         if message.code == 101:
-            conn.close()
+            _abort(conn)
             raise UpstreamFailed("the upstream switched protocols, which is not proxied")
         return UpstreamResponse(message, payload, conn, self)
 
@@ -231,7 +293,7 @@ class Origin:
             or not conn.is_connected()
             or len(self._idle) >= _IDLE_MAX
         ):
-            conn.close()
+            _close(conn)
             return
         self._idle.append((conn, time.monotonic()))
 
@@ -242,7 +304,7 @@ class Origin:
             conn, since = self._idle.pop()
             if now - since < _IDLE_FOR and conn.is_connected() and not conn.should_close:
                 return conn
-            conn.close()
+            _close(conn)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout):
@@ -262,8 +324,9 @@ class Origin:
                 f"could not connect to the upstream: {exc.strerror or type(exc).__name__}"
             ) from exc
         self.opened += 1
+        _linger(conn, _RESET_ON_CLOSE)  # so even a process that dies sends no more
         return conn
 
     def close(self) -> None:
         while self._idle:
-            self._idle.pop()[0].close()
+            _close(self._idle.pop()[0])

@@ -497,13 +497,16 @@ class Proxy:
                     )
                 outcome, in_doubt = "unknown", True  # from here on it may reach the upstream
                 try:
-                    # Bounded as a whole, so the write cannot outlive its record.
+                    # Sending, and for a keyed write reading the answer it keeps, are
+                    # bounded as a whole, so the exchange cannot outlive its record.
                     with self._metrics.in_flight.track_inprogress():
                         async with asyncio.timeout(_in_flight_for(route)):
                             upstream = await self._upstreams.send(
                                 route, request.method, target, headers, body.data
                             )
-                    body.release()  # the upstream has it
+                            body.release()  # the upstream has it
+                            if keyed:
+                                answer, whole = await upstream.read_capped(self._max_stored)
                 except TimeoutError:
                     raise UpstreamTimeout(
                         "the upstream did not answer in time; it may have applied the write"
@@ -514,20 +517,25 @@ class Proxy:
                     raise
                 in_doubt = False  # answered
                 if keyed:
-                    answer, whole = await upstream.read_capped(self._max_stored)
                     outcome = StoredResponse(
                         upstream.status, replayable_headers(upstream), answer if whole else None
                     )
             finally:
                 # The upstream has answered, or the write never left, or its outcome
-                # is unknown (a cancellation mid-send included: it may land). The
-                # key settles first; a cancellation meanwhile is seen once it has,
-                # and the turn is still given back.
+                # is unknown (a cancellation mid-exchange included: it may land). An
+                # exchange cut short is aborted, and its socket gone, before anything
+                # else: no more of it reaches the upstream once the turn is given
+                # back. The key settles next; a cancellation meanwhile is seen once
+                # it has, and the turn is still given back.
                 try:
-                    if keyed:
-                        await self._settle(write, outcome)
+                    if in_doubt and upstream is not None:
+                        await upstream.cut()
                 finally:
-                    await self._end_turn(write, route, unknown=in_doubt)
+                    try:
+                        if keyed:
+                            await self._settle(write, outcome)
+                    finally:
+                        await self._end_turn(write, route, unknown=in_doubt)
         except BaseException:
             if upstream is not None:
                 upstream.release()

@@ -4,6 +4,8 @@
   request it receives in full (what the API "applied") and answers as told.
 * :class:`RawUpstream`: an upstream that records the very bytes it receives, before
   any HTTP library reads them, for asserting exactly what the proxy sent.
+* :class:`SlowUpstream`: an upstream that reads request bodies at a fixed rate, as
+  an overloaded API does, and applies a request only once its whole body arrived.
 * :class:`FakeClock`: a clock tests move by hand instead of sleeping.
 * :class:`ProxyTestServer`: a :class:`~fenceproxy.app.FenceProxy` on loopback, for
   aiohttp's test client (``aiohttp_client(ProxyTestServer(FenceProxy(config)))``).
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from . import hdrs
 from .app import FenceProxy
 
 __all__ = [
+    "Arrival",
     "FakeClock",
     "ProxyProcess",
     "ProxyTestServer",
@@ -39,6 +43,7 @@ __all__ = [
     "RawUpstream",
     "Received",
     "RecordingUpstream",
+    "SlowUpstream",
     "drop_connection",
     "eventually",
     "free_port",
@@ -243,6 +248,125 @@ class RawUpstream:
             pass
         finally:
             writer.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A request as :class:`SlowUpstream` saw it end: whole (applied) or cut short."""
+
+    job: str | None
+    generation: int | None
+    received: int
+    """Bytes of the body that arrived."""
+    at: float
+    """When it ended, on ``time.monotonic()``."""
+
+
+class SlowUpstream:
+    """An HTTP/1.1 upstream on loopback that reads request bodies at ``rate`` bytes a
+    second and its kernel buffers kept small, so a large body stays on the proxy's
+    side of the wire for a while. A request is *applied* (and answered ``200``) only
+    once its whole ``Content-Length`` body arrived; one whose connection ended first
+    is *cut*. What arrived but not whole is never applied, as an API would not."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.url = ""
+        self.applied: list[Arrival] = []
+        self.cut: list[Arrival] = []
+        self.receiving: list[tuple[str | None, int | None]] = []
+        """Requests whose head arrived, in order."""
+        self._open: set[asyncio.Transport] = set()
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(cls, rate: float) -> AsyncIterator[SlowUpstream]:
+        upstream = cls(rate)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Inherited by every accepted socket, before the window is agreed.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.bind(("127.0.0.1", 0))
+        server = await loop.create_server(lambda: _SlowReader(upstream), sock=sock)
+        upstream.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            yield upstream
+        finally:
+            server.close()
+            for transport in upstream._open:
+                transport.abort()
+            await server.wait_closed()
+
+    def ended(self) -> list[Arrival]:
+        """Every request that ended, applied or cut."""
+        return [*self.applied, *self.cut]
+
+
+class _SlowReader(asyncio.Protocol):
+    def __init__(self, upstream: SlowUpstream) -> None:
+        self._up = upstream
+        self._buffer = bytearray()
+        self._head: RawRequest | None = None
+        self._length = 0
+        self._transport: asyncio.Transport | None = None
+        self._started = time.monotonic()
+        self._taken = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._up._open.add(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._taken += len(data)
+        self._advance()
+        ahead = self._taken / self._up.rate - (time.monotonic() - self._started)
+        if ahead > 0 and self._transport is not None:
+            self._transport.pause_reading()
+            asyncio.get_running_loop().call_later(ahead, self._resume)
+
+    def _resume(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def _advance(self) -> None:
+        while True:
+            if self._head is None:
+                end = self._buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                self._head = RawRequest(bytes(self._buffer[:end]), b"")
+                del self._buffer[: end + 4]
+                lengths = self._head.values("Content-Length")
+                self._length = int(lengths[0]) if lengths else 0
+                self._up.receiving.append(self._identity())
+            if len(self._buffer) < self._length:
+                return
+            del self._buffer[: self._length]
+            self._up.applied.append(self._arrival(self._length))
+            self._head = None
+            if self._transport is not None:
+                self._transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    def _identity(self) -> tuple[str | None, int | None]:
+        assert self._head is not None
+        jobs = self._head.values(hdrs.DEFAULT_JOB)
+        tokens = self._head.values(hdrs.DEFAULT_TOKEN)
+        generation = int(tokens[0]) if tokens and tokens[0].isdigit() else None
+        return (jobs[0] if jobs else None), generation
+
+    def _arrival(self, received: int) -> Arrival:
+        job, generation = self._identity()
+        return Arrival(job, generation, received, time.monotonic())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head is not None:
+            self._up.cut.append(self._arrival(len(self._buffer)))
+        if self._transport is not None:
+            self._up._open.discard(self._transport)
+        self._transport = None
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

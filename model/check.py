@@ -86,6 +86,7 @@ MUTANTS = {
     "CRASH_HOLDS_ALL": ("a proxy's restart holds every job, written to or not", SMALL),
     "KEY_FORGET_ON_TIMEOUT": ("an unanswered keyed write forgets its key", SMALL),
     "NO_SEND_DEADLINE": ("a proxy that stalled after the admission sends anyway", SMALL),
+    "CLOSE_NOT_ABORT": ("a write cut at its timeout is closed, its body flushed on", SMALL),
     "HOLD_NO_SLACK": ("the in-flight record does not count the turn slack", SLACK),
     "NO_LEASE_CHECK": ("a lease-checked route does not check the lease", SMALL),
 }

@@ -16,7 +16,11 @@
  * an admitted write within SLACK of its admission (fenceproxy/proxy.py,
  * _TURN_SLACK), so a write's in-flight record lasts HOLD. The upstream is assumed
  * to apply a write, if ever, within TIMEOUT + QUAR of its sending: that is what a
- * route's quarantine says. The proxy's own timers are read on the store's clock:
+ * route's quarantine says. It rests on the proxy cutting a write at its timeout
+ * (fenceproxy/http1.py aborts the connection, which resets it, before the record
+ * is given back or its quarantine starts): nothing more of the request reaches the
+ * upstream after TIMEOUT, so only a request the upstream already has whole can
+ * still be applied, within QUAR. The proxy's own timers are read on the store's clock:
  * a proxy whose clock runs slower than the store's by more than the slack is
  * outside the model.
  *
@@ -415,6 +419,17 @@ admit:		/* Store.admit: the key, the fence, the lease and the record, in one tra
 			:: rholder == t -> rexpires = (now + QUAR > rexpires -> now + QUAR : rexpires)
 			:: else
 			fi;
+#ifdef CLOSE_NOT_ABORT
+			/* closed, not aborted: the rest of the body is flushed on, and the
+			   upstream may have the request whole at any later time */
+			for (v : 0 .. SLOTS - 1) {
+				if
+				:: mfull[v] && mturn[v] == t -> mdead[v] = MAXT + 2
+				:: else
+				fi
+			}
+			v = 0;
+#endif
 			printf("  worker %d's write timed out: outcome unknown\n", w);
 			goto done
 		   }
