@@ -630,3 +630,129 @@ async def test_a_header_value_that_is_not_utf8_is_refused_not_altered(
     )
     assert (await send(port, utf8)).status == 200
     assert raw_upstream.received[0].values("X-Name") == ["cafÃ©"]  # the same bytes, read as latin-1
+
+
+# -- what each route's paths: setting does ------------------------------------------------
+
+
+async def test_by_default_a_path_with_dot_or_empty_segments_is_refused_naming_its_canonical_form(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    proxy = await start_proxy([{"name": "files", "path": "/files", "upstream": raw_upstream.url}])
+    assert proxy.port is not None
+    for target, canonical in [
+        ("/files/a//b", "/files/a/b"),
+        ("/files/a/./b", "/files/a/b"),
+        ("/files/x/../y", "/files/y"),
+        ("/files/x/%2E%2e/%22y", "/files/%22y"),
+    ]:
+        answer = await send(proxy.port, request("PUT", target, fence("j", 1)))
+        assert (answer.status, answer.slug) == (400, "request-target-not-canonical")
+        assert "content-type: application/problem+json" in answer.head
+        problem = json.loads(answer.body)
+        assert (problem["canonical"], problem["route"]) == (canonical, "files")
+        assert canonical in problem["detail"]
+    assert raw_upstream.received == []
+    # Escapes spelled otherwise are the same path to every upstream: taken.
+    answer = await send(proxy.port, request("PUT", '/files/%7e/%3b/"', fence("j", 1)))
+    assert answer.status == 200
+    assert [r.target for r in raw_upstream.received] == ["/files/~/%3B/%22"]
+
+
+EXACT = {"name": "bucket", "path": "/bucket/", "paths": "exact"}
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/bucket/a//b", "/bucket/a/./b", "/bucket/x/../y", "/bucket//", "/bucket/a%2Fb;v=1\\c"],
+)
+async def test_an_exact_route_forwards_an_object_key_byte_for_byte(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str
+) -> None:
+    proxy = await start_proxy([{**EXACT, "upstream": raw_upstream.url, "fence": False}])
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", target + "?x=%2e%2e"))
+    assert answer.status == 200
+    assert [r.target for r in raw_upstream.received] == [target + "?x=%2e%2e"]
+
+
+@pytest.mark.parametrize(
+    ("target", "phrase"),
+    [("/bucket/%zz", "malformed percent-escape"), ("/bucket/a%00", "encoded NUL")],
+)
+async def test_an_exact_route_still_refuses_what_is_never_a_path(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str, phrase: str
+) -> None:
+    proxy = await start_proxy([{**EXACT, "upstream": raw_upstream.url, "fence": False}])
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", target))
+    assert (answer.status, answer.slug) == (400, "request-target-malformed")
+    assert phrase in json.loads(answer.body)["detail"]
+    assert raw_upstream.received == []
+
+
+async def test_an_exact_route_fences_the_job_and_the_key_of_the_bytes_sent(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    proxy = await start_proxy(
+        [{"name": "b", "path": "/bucket/{job}", "upstream": raw_upstream.url, "paths": "exact"}]
+    )
+    assert proxy.port is not None
+    assert (
+        await send(proxy.port, request("PUT", "/bucket/victim/k", fence(None, 10)))
+    ).status == 200
+    # The victim's key, spelled with an escape or an encoded slash: the victim's job.
+    for target in ["/bucket/%76ictim/k", "/bucket/victim%2Fk"]:
+        stale = await send(proxy.port, request("PUT", target, fence(None, 3)))
+        assert (stale.status, stale.slug) == (409, "stale-generation")
+    # a//b and a/b are two objects: one key for both is two requests.
+    first = await send(proxy.port, request("PUT", "/bucket/j/a//b", fence(None, 1, key="k")))
+    assert first.status == 200
+    second = await send(proxy.port, request("PUT", "/bucket/j/a/b", fence(None, 1, key="k")))
+    assert (second.status, second.slug) == (422, "idempotency-key-reused")
+    assert [r.target for r in raw_upstream.received] == ["/bucket/victim/k", "/bucket/j/a//b"]
+
+
+@pytest.mark.parametrize(
+    ("public", "private", "target", "outcome"),
+    [
+        # canonically the private route's, which refuses what is not canonical
+        ("exact", "refuse", "/public/../private/x", "400 request-target-not-canonical"),
+        # canonically the private route's, but the bytes are under /public
+        ("exact", "exact", "/public/../private/x", "400 request-target-not-canonical"),
+        # canonically the public route's, but the bytes are under /private
+        ("exact", "exact", "/private/../public/x", "400 request-target-not-canonical"),
+        ("normalize", "exact", "/private/../public/x", "200 /public/x"),
+        ("exact", "normalize", "/public/../private/x", "428 fencing-header-missing"),
+        # no canonical form: only an exact route takes it, by its bytes
+        ("normalize", "exact", "/public/..;/private/x", "400 request-target-malformed"),
+        ("exact", "normalize", "/private/..;/public/x", "400 request-target-malformed"),
+        ("exact", "normalize", "/public/..;/private/x", "200 /public/..;/private/x"),
+    ],
+)
+async def test_a_path_is_never_checked_under_one_route_and_forwarded_under_another(
+    start_proxy: ProxyFactory,
+    raw_upstream: RawUpstream,
+    public: str,
+    private: str,
+    target: str,
+    outcome: str,
+) -> None:
+    """One upstream serves both: what the private route fences must never reach it
+    as a path the public route took."""
+    url = raw_upstream.url
+    proxy = await start_proxy(
+        [
+            {"name": "public", "path": "/public", "upstream": url, "paths": public, "fence": False},
+            {"name": "private", "path": "/private", "upstream": url, "paths": private},
+        ],
+    )
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", target))
+    status, what = outcome.split(" ")
+    assert answer.status == int(status)
+    if answer.status == 200:  # a pass-through of the public route
+        assert [r.target for r in raw_upstream.received] == [what]
+    else:
+        assert answer.slug == what
+        assert raw_upstream.received == []
