@@ -756,3 +756,41 @@ async def test_a_path_is_never_checked_under_one_route_and_forwarded_under_anoth
     else:
         assert answer.slug == what
         assert raw_upstream.received == []
+
+
+# -- which Host the upstream receives ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "pass-through"])
+@pytest.mark.parametrize("host", ["preserve", "upstream", None])
+async def test_host_preserve_forwards_the_clients_host(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, host: str | None, fenced: bool
+) -> None:
+    route: dict[str, object] = {"name": "s3", "path": "/", "upstream": raw_upstream.url}
+    if host is not None:
+        route["host"] = host
+    if not fenced:
+        route["fence"] = False
+    proxy = await start_proxy([route])
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", "/bucket/k", fence("j", 1)))
+    assert answer.status == 200
+    [received] = raw_upstream.received
+    expected = "proxy.test" if host == "preserve" else raw_upstream.url.removeprefix("http://")
+    assert received.values("Host") == [expected]
+    assert received.values("X-Forwarded-Host") == ["proxy.test"]
+
+
+async def test_host_preserve_without_a_host_sends_the_upstreams(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """HTTP/1.0 needs no Host: the upstream then gets its own authority."""
+    proxy = await start_proxy(
+        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
+    )
+    assert proxy.port is not None
+    head = b"PUT /bucket/k HTTP/1.0\r\nFencing-Job: j\r\nFencing-Token: 1\r\nContent-Length: 0"
+    answer = await send(proxy.port, head + b"\r\n\r\n")
+    assert answer.status == 200
+    [received] = raw_upstream.received
+    assert received.values("Host") == [raw_upstream.url.removeprefix("http://")]
