@@ -262,6 +262,12 @@ class RouteSpec(_Model):
     max_body: Size = 10 * 1024 * 1024
     match_case: bool = True
     """False for an upstream that routes paths case-insensitively (Express, ASP.NET, IIS)."""
+    paths: Literal["refuse", "normalize", "exact"] = "refuse"
+    """What a path with dot or empty segments gets (:mod:`fenceproxy.target`): 400,
+    forwarded resolved, or forwarded as sent (opaque keys: S3, GCS, Swift, WebDAV)."""
+    host: Literal["upstream", "preserve"] = "upstream"
+    """The ``Host`` the upstream receives: its own authority, or the client's
+    (signed requests, virtual-hosted upstreams)."""
 
     @field_validator("fence", mode="before")
     @classmethod

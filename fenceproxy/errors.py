@@ -11,6 +11,7 @@
     │   └── LeaseServiceError        the lease service could not be reached or answered oddly
     └── Refusal                      answered to the client as RFC 9457 problem+json
         ├── RequestTargetMalformed   400  a path the proxy and an upstream could read differently
+        ├── RequestTargetNotCanonical 400 dot or empty segments on a ``paths: refuse`` route
         ├── MethodOverrideMalformed  400  a method-override header that is repeated or not a method
         ├── RequestHeaderMalformed   400  a header value that cannot be forwarded as it came
         ├── RequestMalformed         400  the HTTP parser refused the request (bad framing, ...)
@@ -109,6 +110,7 @@ __all__ = [
     "RequestHeaderMalformed",
     "RequestMalformed",
     "RequestTargetMalformed",
+    "RequestTargetNotCanonical",
     "StaleGeneration",
     "StoreError",
     "StoreLocked",
@@ -222,6 +224,13 @@ class Refusal(FenceProxyError):
 
 class RequestTargetMalformed(Refusal):
     slug, status, title = "request-target-malformed", 400, "Request path refused"
+
+
+class RequestTargetNotCanonical(Refusal):
+    """The path has dot segments or empty segments and its route takes it only as
+    sent; the ``canonical`` member is the path the proxy would take instead."""
+
+    slug, status, title = "request-target-not-canonical", 400, "Request path not canonical"
 
 
 class MethodOverrideMalformed(Refusal):

@@ -8,11 +8,12 @@ connection protocol aiohttp's ``ClientSession`` uses, without the session's
 per-request machinery (request objects, connector bookkeeping, timer contexts,
 tracing, cookies, redirects).
 
-The client adds nothing the caller did not ask for but ``Host`` and the body's
-framing, never follows a redirect, never decompresses, and never sends a request
-twice. A connection goes back to its pool only once its answer was read to the end
-and both sides keep it open; an answer that is malformed, cut short, timed out or
-abandoned closes it, and so does anything the upstream sends unasked.
+The client adds nothing the caller did not ask for but ``Host`` (the origin's
+authority unless the caller gives one) and the body's framing, never follows a
+redirect, never decompresses, and never sends a request twice. A connection goes
+back to its pool only once its answer was read to the end and both sides keep it
+open; an answer that is malformed, cut short, timed out or abandoned closes it, and
+so does anything the upstream sends unasked.
 
 What a failure means for a write (``UpstreamError.sent``): only a failure to
 connect is known to have sent nothing. Once a byte of the request may have left,
@@ -227,10 +228,12 @@ class Origin:
         *,
         connect_timeout: float,
         read_timeout: float,
+        host: str | None = None,
     ) -> UpstreamResponse:
         """Send a request and return once the upstream's status and headers are in.
 
-        ``headers`` are sent as given, after ``Host``; the body's framing is set here:
+        ``headers`` are sent as given, after ``Host``: ``host`` when given, else this
+        origin's authority; the body's framing is set here:
         ``Content-Length`` for bytes (or a stream whose length the caller put in
         ``headers``), chunked for any other stream. ``read_timeout`` bounds each wait
         for the upstream once the request is out. Raises UpstreamError, or whatever
@@ -247,7 +250,7 @@ class Origin:
                 max_headers=_MAX_HEADERS,
             )
             writer = StreamWriter(conn, conn._loop)
-            out: CIMultiDict[str] = CIMultiDict(Host=self.authority)
+            out: CIMultiDict[str] = CIMultiDict(Host=self.authority if host is None else host)
             out.extend(headers)
             if isinstance(body, bytes | bytearray):
                 out["Content-Length"] = str(len(body))

@@ -1,9 +1,11 @@
 """The request path: route, decide, forward, answer.
 
-Every request's path is made canonical first (:mod:`fenceproxy.target`); that one
-form is matched against the routes, gives the job, goes into the idempotency
-fingerprint and is what the upstream receives. A request is fenced when its route
-fences its method, or the method a method-override header names.
+Every request's path is read once (:mod:`fenceproxy.target`): made canonical to find
+its route, then taken as that route's ``paths`` says (refused unless canonical,
+resolved, or as sent); that one form is matched against the routes, gives the job,
+goes into the idempotency fingerprint and is what the upstream receives. A request
+is fenced when its route fences its method, or the method a method-override header
+names.
 
 A fenced write goes through these steps:
 
@@ -51,7 +53,6 @@ from .errors import (
     FencingHeaderMalformed,
     FencingHeaderMissing,
     JobQuarantined,
-    NoRoute,
     Refusal,
     StoreError,
     StoreUnavailable,
@@ -180,17 +181,15 @@ class Proxy:
         self._send_timeout = settings.send_timeout
         self._signing = settings.keys
 
-    async def handle(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
-        """Forward ``request``, whose canonical path is ``path``, or raise a Refusal."""
+    async def handle(self, request: web.BaseRequest, raw: str) -> web.StreamResponse:
+        """Forward ``request``, whose raw path (no query) is ``raw``, or raise a
+        Refusal; the path is read as its route's ``paths`` says (:meth:`Router.route`)."""
         coding = request.headers.get(hdrs.TRANSFER_ENCODING)
         if coding is not None and coding.strip().lower() != "chunked":
             # Reject, never repair: the body would reach the upstream re-framed.
             raise UnsupportedFraming("the only transfer coding accepted is chunked")
         url = request.rel_url
-        matched = self._router.match(path)
-        if matched is None:
-            raise NoRoute(f"no route is configured for {path!r}")
-        route, path_job = matched
+        route, path_job, path = self._router.route(raw)
         query = url.raw_query_string
         target = f"{path}?{query}" if query else path
         fence = route.fence
@@ -296,10 +295,14 @@ class Proxy:
         keep = fence.fields if fence is not None and mark is not None else frozenset()
         headers = forwarded_headers(request, self._trusted, length, keep=keep)
         if isinstance(body, HeldBody):
-            upstream = await self._upstreams.send(route, request.method, target, headers, body.data)
+            upstream = await self._upstreams.send(
+                route, request.method, target, headers, body.data, host=_host(request, route)
+            )
             body.release()  # the upstream has it
         else:
-            upstream = await self._upstreams.send(route, request.method, target, headers, body)
+            upstream = await self._upstreams.send(
+                route, request.method, target, headers, body, host=_host(request, route)
+            )
         try:
             return await _relay(request, upstream, self._send_timeout, mark=mark)
         finally:
@@ -502,7 +505,12 @@ class Proxy:
                     with self._metrics.in_flight.track_inprogress():
                         async with asyncio.timeout(_in_flight_for(route)):
                             upstream = await self._upstreams.send(
-                                route, request.method, target, headers, body.data
+                                route,
+                                request.method,
+                                target,
+                                headers,
+                                body.data,
+                                host=_host(request, route),
                             )
                             body.release()  # the upstream has it
                             if keyed:
@@ -820,3 +828,11 @@ async def _relay(
     except ConnectionError:
         pass  # the client went away
     return response
+
+
+def _host(request: web.BaseRequest, route: Route) -> str | None:
+    """The ``Host`` the upstream gets: the client's on a ``host: preserve`` route, if
+    it sent one (an HTTP/1.0 request may not); None for the upstream's authority."""
+    if not route.preserve_host:
+        return None
+    return request.headers.get("Host")

@@ -18,7 +18,8 @@ from multidict import istr
 from yarl import URL
 
 from .config import RouteSpec
-from .target import decode_path
+from .errors import NoRoute, RequestTargetMalformed, RequestTargetNotCanonical
+from .target import PathMode, canonical_path, check_exact, decode_exact, decode_path, escaped_path
 
 __all__ = ["SAFE_METHODS", "Fence", "Route", "Router"]
 
@@ -65,6 +66,10 @@ class Route:
     connect_timeout: float
     quarantine: float
     max_body: int
+    paths: PathMode
+    """What a path that is not canonical gets (:mod:`fenceproxy.target`)."""
+    preserve_host: bool
+    """The upstream receives the client's ``Host``, not its own authority."""
     _prefix: str | None
     """The decoded route path, when a plain case-sensitive prefix test will do."""
     _pattern: re.Pattern[str] | None
@@ -114,6 +119,8 @@ class Route:
             connect_timeout=spec.connect_timeout,
             quarantine=spec.quarantine,
             max_body=spec.max_body,
+            paths=spec.paths,
+            preserve_host=spec.host == "preserve",
             _prefix=None if pattern is not None else spec.path,
             _pattern=pattern,
         )
@@ -148,9 +155,59 @@ class Router:
 
     def match(self, path: str) -> tuple[Route, str | None] | None:
         """The route for a canonical path, and its job id from the path if any."""
-        decoded = decode_path(path) if "%" in path else path
+        return self._match(decode_path(path) if "%" in path else path)
+
+    def _match(self, decoded: str) -> tuple[Route, str | None] | None:
         for route in self._routes:
             matched, job = route.match(decoded)
             if matched:
                 return route, job
         return None
+
+    def route(self, raw: str) -> tuple[Route, str | None, str]:
+        """The route for a request's raw path (no query), its job id from the path if
+        any, and the path to route, fingerprint and forward, as the route's ``paths``
+        says (:mod:`fenceproxy.target`): found on the canonical form; ``refuse``
+        takes a path only if it is canonical but for the spelling of escapes,
+        ``normalize`` takes the canonical form, ``exact`` the raw one if it matches
+        the same route. A path with no canonical form is taken only by the ``exact``
+        route its raw bytes match.
+
+        Raises RequestTargetMalformed for what no route takes as a path,
+        RequestTargetNotCanonical for a ``refuse`` route's path that is not canonical
+        (its ``canonical`` member says what would be taken) or an ``exact`` route's
+        whose raw path falls under another route, NoRoute when no route matches."""
+        try:
+            path = canonical_path(raw)
+        except RequestTargetMalformed:
+            # No canonical form: only an exact route may take it, as sent.
+            check_exact(raw)
+            exact = self._match(decode_exact(raw))
+            if exact is None or exact[0].paths != "exact":
+                raise
+            return exact[0], exact[1], raw
+        matched = self.match(path)
+        if matched is None:
+            raise NoRoute(f"no route is configured for {path!r}")
+        route, job = matched
+        if route.paths == "normalize" or path == raw:
+            return route, job, path
+        if route.paths == "refuse":
+            if escaped_path(raw) != path:
+                raise RequestTargetNotCanonical(
+                    f"route {route.name!r} takes a path only in its canonical form, "
+                    f"without '.', '..' or empty segments: send {path!r}",
+                    canonical=path,
+                    route=route.name,
+                )
+            return route, job, path
+        check_exact(raw)
+        exact = self._match(decode_exact(raw))
+        if exact is None or exact[0] is not route:
+            raise RequestTargetNotCanonical(
+                f"the path as sent is not under route {route.name!r}, which its canonical "
+                f"form {path!r} is under: a route forwards only paths it owns both ways",
+                canonical=path,
+                route=route.name,
+            )
+        return route, exact[1], raw

@@ -29,16 +29,50 @@ a real nginx when one is installed):
   send ``%3B`` for a literal semicolon).
 
 The query string is not touched.
+
+How much of that a route takes is its ``paths`` setting (:class:`PathMode`), and
+:func:`read_path` applies it, after finding the route on the canonical form:
+
+* ``refuse`` (the default): a path that differs from its canonical form in anything
+  but the spelling of escapes (``%7e`` for ``~``, ``%3b`` for ``%3B``, ``"`` for
+  ``%22``) is refused, 400 :class:`~fenceproxy.errors.RequestTargetNotCanonical`,
+  whose ``canonical`` member is the form the proxy would take. Nothing is rewritten
+  that an upstream could read as another resource; the canonical spelling is
+  forwarded.
+* ``normalize``: the canonical form is routed and forwarded, as nginx would.
+* ``exact``: the path is forwarded byte for byte, and its route, ``{job}`` and key
+  fingerprint come from those bytes, for upstreams that take the path as an opaque
+  key (S3, GCS, Swift, WebDAV). Only what is never a path is refused
+  (:func:`check_exact`). The route is found on the canonical form first, then the
+  raw path must match that same route, so a path can never be checked under one
+  route and forwarded as a target another route owns (``/public/../private``:
+  canonical ``/private``, raw ``/public``: refused). A path that has no canonical
+  form (``;``, ``%2F``, a backslash, a climb above the root) is routed on its raw
+  bytes, and taken only by an ``exact`` route. An ``exact`` route in front of an
+  upstream that resolves dot segments or merges slashes reopens the hole this module
+  closes: the upstream applies the write to a path the proxy did not fence.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Literal
 from urllib.parse import unquote
 
 from .errors import RequestTargetMalformed
 
-__all__ = ["PATH_SAFE", "canonical_path", "decode_path"]
+__all__ = [
+    "PATH_SAFE",
+    "PathMode",
+    "canonical_path",
+    "check_exact",
+    "decode_exact",
+    "decode_path",
+    "escaped_path",
+]
+
+PathMode = Literal["refuse", "normalize", "exact"]
+"""A route's ``paths``: what it does with a path that is not canonical."""
 
 PATH_SAFE = frozenset(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,=:@/"
@@ -82,7 +116,45 @@ def canonical_path(raw: str) -> str:
         raise RequestTargetMalformed(
             "a double-encoded dot, slash or backslash (%252e, %252f, %255c) is refused"
         )
-    return _resolve(_normalise_escapes(raw))
+    return _resolve(escaped_path(raw))
+
+
+def escaped_path(raw: str) -> str:
+    """``raw`` with its escapes spelled canonically and nothing resolved or merged:
+    what a path in ``refuse`` mode must equal its canonical form in. Raises
+    RequestTargetMalformed for a malformed escape or an encoded NUL, slash or
+    backslash."""
+    return _normalise_escapes(raw)
+
+
+_EXACT_REFUSED = re.compile(r"[^\x21-\x7e]|%(?![0-9A-Fa-f]{2})|%00", re.ASCII)
+
+
+def check_exact(raw: str) -> None:
+    """Refuse what is never a path, whatever the upstream: a target not starting
+    with ``/``, a control character, space, DEL or a byte beyond ASCII, a malformed
+    escape, an encoded NUL. Raises RequestTargetMalformed saying which."""
+    if not raw.startswith("/"):
+        raise RequestTargetMalformed("the request target must be a path starting with /")
+    bad = _EXACT_REFUSED.search(raw)
+    if bad is None:
+        return
+    if bad.group() == "%00":
+        raise RequestTargetMalformed("the path holds an encoded NUL (%00)")
+    if bad.group() == "%":
+        raise RequestTargetMalformed("the path has a malformed percent-escape")
+    raise RequestTargetMalformed(
+        "the path holds a control character, a space or a byte beyond ASCII, which a "
+        "request target may not hold raw"
+    )
+
+
+def decode_exact(raw: str) -> str:
+    """A path checked by :func:`check_exact`, decoded for routing, ``%2F`` included:
+    an object store reads ``a%2Fb`` as the key ``a/b``, so the proxy fences it as
+    the segments ``a`` and ``b`` (an upstream that keeps ``%2F`` as data is then
+    fenced under more than it reads, never less)."""
+    return unquote(raw, errors="surrogateescape") if "%" in raw else raw
 
 
 def _normalise_escapes(raw: str) -> str:

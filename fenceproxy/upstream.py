@@ -194,10 +194,13 @@ class UpstreamPool:
         target: str,
         headers: CIMultiDict[str],
         body: bytes | AsyncIterable[bytes] | None,
+        *,
+        host: str | None = None,
     ) -> UpstreamResponse:
         """Send a request to the route's upstream and return once the upstream's status
-        and headers are in; the caller must release the response it gets. Raises
-        UpstreamError (see :mod:`fenceproxy.http1`)."""
+        and headers are in; the caller must release the response it gets. ``host`` is
+        the ``Host`` to send (a ``host: preserve`` route's client's), None for the
+        upstream's authority. Raises UpstreamError (see :mod:`fenceproxy.http1`)."""
         metrics = self._metrics
         started = time.monotonic()
         status: int | None = None
@@ -209,6 +212,7 @@ class UpstreamPool:
                 body,
                 connect_timeout=route.connect_timeout,
                 read_timeout=route.timeout,
+                host=host,
             )
             status = response.status
             return response

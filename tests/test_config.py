@@ -97,6 +97,7 @@ def test_minimal_file_gives_documented_defaults(tmp_path: Path) -> None:
     assert route.timeout == 30.0
     assert route.connect_timeout == 5.0
     assert route.max_body == 10 * 1024 * 1024
+    assert (route.paths, route.host) == ("refuse", "upstream")
     assert route.fence is not None
     assert route.fence.methods is None  # every method but GET, HEAD and OPTIONS
     assert route.fence.job_header == "Fencing-Job"
@@ -312,6 +313,18 @@ BAD_FILES = [
         "routes[0].fence.key_header",
         "'Bad Header' is not a valid HTTP header name",
         id="header-name-with-space",
+    ),
+    pytest.param(
+        one_route("paths: strict\n"),
+        "routes[0].paths",
+        "'refuse', 'normalize' or 'exact'",
+        id="paths-unknown",
+    ),
+    pytest.param(
+        one_route("host: client\n"),
+        "routes[0].host",
+        "'upstream' or 'preserve'",
+        id="host-unknown",
     ),
     pytest.param(
         "trusted_proxies: [10.0.0.0/8, proxy.internal]\n" + one_route(),

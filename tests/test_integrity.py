@@ -1,6 +1,9 @@
 """The write the proxy fences is exactly the write the upstream receives: one
-canonical path, one value per fencing field, every write method fenced, nothing
-added or dropped. Raw bytes in over a socket, raw bytes recorded at the upstream."""
+path, read one way, one value per fencing field, every write method fenced, nothing
+added or dropped. Raw bytes in over a socket, raw bytes recorded at the upstream.
+
+Paths are checked in each route ``paths`` mode: ``normalize`` forwards the canonical
+form, ``refuse`` refuses what is not canonical, ``exact`` forwards the bytes sent."""
 
 from __future__ import annotations
 
@@ -77,9 +80,10 @@ ROUTES = [
 ]
 
 
-async def proxy_in_front_of(start_proxy: ProxyFactory, url: str) -> int:
-    """A proxy with ROUTES to ``url``, the victim job at generation 10; its port."""
-    proxy = await start_proxy([{**r, "upstream": url} for r in ROUTES])
+async def proxy_in_front_of(start_proxy: ProxyFactory, url: str, paths: str = "normalize") -> int:
+    """A proxy with ROUTES to ``url``, each with ``paths``, the victim job at
+    generation 10; its port."""
+    proxy = await start_proxy([{**r, "upstream": url, "paths": paths} for r in ROUTES])
     assert proxy.port is not None
     victim = await send(proxy.port, request("POST", "/orders/victim/pay", fence(None, 10)))
     assert victim.status == 200
@@ -88,7 +92,21 @@ async def proxy_in_front_of(start_proxy: ProxyFactory, url: str) -> int:
 
 @pytest.fixture
 async def port(start_proxy: ProxyFactory, raw_upstream: RawUpstream) -> int:
+    """ROUTES with ``paths: normalize``."""
     port = await proxy_in_front_of(start_proxy, raw_upstream.url)
+    raw_upstream.received.clear()
+    return port
+
+
+@pytest.fixture(params=["refuse", "normalize", "exact"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def mode_port(start_proxy: ProxyFactory, raw_upstream: RawUpstream, mode: str) -> int:
+    """ROUTES with ``paths: <mode>``."""
+    port = await proxy_in_front_of(start_proxy, raw_upstream.url, mode)
     raw_upstream.received.clear()
     return port
 
@@ -109,12 +127,23 @@ async def port(start_proxy: ProxyFactory, raw_upstream: RawUpstream) -> int:
     ],
 )
 async def test_a_dot_segment_cannot_move_a_stale_write_to_another_job(
-    port: int, raw_upstream: RawUpstream, target: str
+    mode_port: int, raw_upstream: RawUpstream, mode: str, target: str
 ) -> None:
-    answer = await send(port, request("POST", target, fence(None, 3)))
-    assert (answer.status, answer.slug) == (409, "stale-generation")
-    assert b'"job": "victim"' in answer.body
-    assert raw_upstream.received == []
+    answer = await send(mode_port, request("POST", target, fence(None, 3)))
+    if mode == "normalize" or "%76" in target:  # fenced where it resolves: the victim's
+        assert (answer.status, answer.slug) == (409, "stale-generation")
+        assert b'"job": "victim"' in answer.body
+        assert raw_upstream.received == []
+    elif mode == "refuse" or target.startswith("/health/") or "//" in target:
+        # Refused, saying which form would be taken; in exact mode because the raw
+        # path is not under the route its canonical form is.
+        assert (answer.status, answer.slug) == (400, "request-target-not-canonical")
+        assert json.loads(answer.body)["canonical"] == "/orders/victim/pay"
+        assert raw_upstream.received == []
+    else:  # exact: the key "fresh/../victim/pay", of job fresh, byte for byte
+        assert answer.status == 200
+        [received] = raw_upstream.received
+        assert received.target == target
 
 
 async def test_the_resolved_path_is_what_the_upstream_receives(
@@ -152,9 +181,12 @@ async def test_a_dot_segment_cannot_leave_an_unfenced_route(
         "/billing/%zz",
     ],
 )
+@pytest.mark.parametrize("paths", ["refuse", "normalize"])
 async def test_a_path_an_upstream_could_read_otherwise_is_400(
-    port: int, raw_upstream: RawUpstream, target: str
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str, paths: str
 ) -> None:
+    port = await proxy_in_front_of(start_proxy, raw_upstream.url, paths)
+    raw_upstream.received.clear()
     for method, fields in (("POST", fence("victim", 11)), ("GET", [])):
         answer = await send(port, request(method, target, fields))
         assert (answer.status, answer.slug) == (400, "request-target-malformed")
@@ -407,25 +439,39 @@ TAIL = st.lists(st.sampled_from(SEGMENTS), max_size=6).map("/".join)
 )
 @pytest.mark.timeout(300)
 async def test_no_stale_write_reaches_the_victim_whatever_the_path(
-    port: int, raw_upstream: RawUpstream, front: str, tail: str, job: str | None
+    mode_port: int, raw_upstream: RawUpstream, mode: str, front: str, tail: str, job: str | None
 ) -> None:
     """Generation 3 writes, victim at 10: for any path built of segments, dots,
-    escapes, slashes and semicolons, whatever the upstream receives, resolved as nginx
-    would, is where the proxy routed it, has nothing left to resolve, and is never
-    under /orders/victim/. Never a 5xx."""
+    escapes, slashes and semicolons, never a 5xx, and
+
+    * normalize, refuse: whatever the upstream receives, resolved as nginx would, is
+      where the proxy routed it, has nothing left to resolve, and is never under
+      /orders/victim/; refuse forwards only a path nginx would not resolve;
+    * exact: the upstream receives the bytes sent, and the key it reads (decoded)
+      is never under /orders/victim/."""
     target = (front + "/" + tail).encode("latin-1")
     before = len(raw_upstream.received)
-    answer = await send(port, request("POST", target, fence(job, 3)))
+    answer = await send(mode_port, request("POST", target, fence(job, 3)))
     assert 200 <= answer.status < 500 or answer.status == 0, answer.body
     if len(raw_upstream.received) == before:
-        event(f"refused {answer.status}")
+        event(f"refused {answer.status} {answer.slug if answer.body else ''}")
+        if mode == "refuse" and answer.status == 400:
+            assert answer.slug != "request-target-not-canonical" or (
+                resolve_like_nginx(target) != unquote_to_bytes(target)
+            ), "a path nginx reads as sent was refused as not canonical"
         return
     event("forwarded")
     [received] = raw_upstream.received[before:]
+    if mode == "exact":
+        assert received.target.encode("latin-1") == target
+        assert not unquote_to_bytes(target).startswith(b"/orders/victim/")
+        return
     applied = resolve_like_nginx(received.target.encode("latin-1"))
     assert applied == unquote_to_bytes(received.target), "the upstream would resolve it again"
     assert applied == resolve_like_nginx(target), "the upstream would read the raw path elsewhere"
     assert not applied.startswith(b"/orders/victim/")
+    if mode == "refuse":
+        assert applied == unquote_to_bytes(target), "a path the upstream resolves went through"
 
 
 # -- against a real nginx --------------------------------------------------------------------
@@ -454,7 +500,7 @@ async def test_nginx_behind_the_proxy_applies_the_write_where_it_was_fenced(
 async def test_nginx_fenced_job_from_a_dotted_path_is_the_job_nginx_applies(
     start_proxy: ProxyFactory, nginx: Nginx
 ) -> None:
-    routes = [{**r, "upstream": nginx.url} for r in ROUTES]
+    routes = [{**r, "upstream": nginx.url, "paths": "normalize"} for r in ROUTES]
     proxy = await start_proxy(routes)
     assert proxy.port is not None
     assert (
@@ -584,3 +630,167 @@ async def test_a_header_value_that_is_not_utf8_is_refused_not_altered(
     )
     assert (await send(port, utf8)).status == 200
     assert raw_upstream.received[0].values("X-Name") == ["cafÃ©"]  # the same bytes, read as latin-1
+
+
+# -- what each route's paths: setting does ------------------------------------------------
+
+
+async def test_by_default_a_path_with_dot_or_empty_segments_is_refused_naming_its_canonical_form(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    proxy = await start_proxy([{"name": "files", "path": "/files", "upstream": raw_upstream.url}])
+    assert proxy.port is not None
+    for target, canonical in [
+        ("/files/a//b", "/files/a/b"),
+        ("/files/a/./b", "/files/a/b"),
+        ("/files/x/../y", "/files/y"),
+        ("/files/x/%2E%2e/%22y", "/files/%22y"),
+    ]:
+        answer = await send(proxy.port, request("PUT", target, fence("j", 1)))
+        assert (answer.status, answer.slug) == (400, "request-target-not-canonical")
+        assert "content-type: application/problem+json" in answer.head
+        problem = json.loads(answer.body)
+        assert (problem["canonical"], problem["route"]) == (canonical, "files")
+        assert canonical in problem["detail"]
+    assert raw_upstream.received == []
+    # Escapes spelled otherwise are the same path to every upstream: taken.
+    answer = await send(proxy.port, request("PUT", '/files/%7e/%3b/"', fence("j", 1)))
+    assert answer.status == 200
+    assert [r.target for r in raw_upstream.received] == ["/files/~/%3B/%22"]
+
+
+EXACT = {"name": "bucket", "path": "/bucket/", "paths": "exact"}
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/bucket/a//b", "/bucket/a/./b", "/bucket/x/../y", "/bucket//", "/bucket/a%2Fb;v=1\\c"],
+)
+async def test_an_exact_route_forwards_an_object_key_byte_for_byte(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str
+) -> None:
+    proxy = await start_proxy([{**EXACT, "upstream": raw_upstream.url, "fence": False}])
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", target + "?x=%2e%2e"))
+    assert answer.status == 200
+    assert [r.target for r in raw_upstream.received] == [target + "?x=%2e%2e"]
+
+
+@pytest.mark.parametrize(
+    ("target", "phrase"),
+    [("/bucket/%zz", "malformed percent-escape"), ("/bucket/a%00", "encoded NUL")],
+)
+async def test_an_exact_route_still_refuses_what_is_never_a_path(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str, phrase: str
+) -> None:
+    proxy = await start_proxy([{**EXACT, "upstream": raw_upstream.url, "fence": False}])
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", target))
+    assert (answer.status, answer.slug) == (400, "request-target-malformed")
+    assert phrase in json.loads(answer.body)["detail"]
+    assert raw_upstream.received == []
+
+
+async def test_an_exact_route_fences_the_job_and_the_key_of_the_bytes_sent(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    proxy = await start_proxy(
+        [{"name": "b", "path": "/bucket/{job}", "upstream": raw_upstream.url, "paths": "exact"}]
+    )
+    assert proxy.port is not None
+    assert (
+        await send(proxy.port, request("PUT", "/bucket/victim/k", fence(None, 10)))
+    ).status == 200
+    # The victim's key, spelled with an escape or an encoded slash: the victim's job.
+    for target in ["/bucket/%76ictim/k", "/bucket/victim%2Fk"]:
+        stale = await send(proxy.port, request("PUT", target, fence(None, 3)))
+        assert (stale.status, stale.slug) == (409, "stale-generation")
+    # a//b and a/b are two objects: one key for both is two requests.
+    first = await send(proxy.port, request("PUT", "/bucket/j/a//b", fence(None, 1, key="k")))
+    assert first.status == 200
+    second = await send(proxy.port, request("PUT", "/bucket/j/a/b", fence(None, 1, key="k")))
+    assert (second.status, second.slug) == (422, "idempotency-key-reused")
+    assert [r.target for r in raw_upstream.received] == ["/bucket/victim/k", "/bucket/j/a//b"]
+
+
+@pytest.mark.parametrize(
+    ("public", "private", "target", "outcome"),
+    [
+        # canonically the private route's, which refuses what is not canonical
+        ("exact", "refuse", "/public/../private/x", "400 request-target-not-canonical"),
+        # canonically the private route's, but the bytes are under /public
+        ("exact", "exact", "/public/../private/x", "400 request-target-not-canonical"),
+        # canonically the public route's, but the bytes are under /private
+        ("exact", "exact", "/private/../public/x", "400 request-target-not-canonical"),
+        ("normalize", "exact", "/private/../public/x", "200 /public/x"),
+        ("exact", "normalize", "/public/../private/x", "428 fencing-header-missing"),
+        # no canonical form: only an exact route takes it, by its bytes
+        ("normalize", "exact", "/public/..;/private/x", "400 request-target-malformed"),
+        ("exact", "normalize", "/private/..;/public/x", "400 request-target-malformed"),
+        ("exact", "normalize", "/public/..;/private/x", "200 /public/..;/private/x"),
+    ],
+)
+async def test_a_path_is_never_checked_under_one_route_and_forwarded_under_another(
+    start_proxy: ProxyFactory,
+    raw_upstream: RawUpstream,
+    public: str,
+    private: str,
+    target: str,
+    outcome: str,
+) -> None:
+    """One upstream serves both: what the private route fences must never reach it
+    as a path the public route took."""
+    url = raw_upstream.url
+    proxy = await start_proxy(
+        [
+            {"name": "public", "path": "/public", "upstream": url, "paths": public, "fence": False},
+            {"name": "private", "path": "/private", "upstream": url, "paths": private},
+        ],
+    )
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", target))
+    status, what = outcome.split(" ")
+    assert answer.status == int(status)
+    if answer.status == 200:  # a pass-through of the public route
+        assert [r.target for r in raw_upstream.received] == [what]
+    else:
+        assert answer.slug == what
+        assert raw_upstream.received == []
+
+
+# -- which Host the upstream receives ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "pass-through"])
+@pytest.mark.parametrize("host", ["preserve", "upstream", None])
+async def test_host_preserve_forwards_the_clients_host(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, host: str | None, fenced: bool
+) -> None:
+    route: dict[str, object] = {"name": "s3", "path": "/", "upstream": raw_upstream.url}
+    if host is not None:
+        route["host"] = host
+    if not fenced:
+        route["fence"] = False
+    proxy = await start_proxy([route])
+    assert proxy.port is not None
+    answer = await send(proxy.port, request("PUT", "/bucket/k", fence("j", 1)))
+    assert answer.status == 200
+    [received] = raw_upstream.received
+    expected = "proxy.test" if host == "preserve" else raw_upstream.url.removeprefix("http://")
+    assert received.values("Host") == [expected]
+    assert received.values("X-Forwarded-Host") == ["proxy.test"]
+
+
+async def test_host_preserve_without_a_host_sends_the_upstreams(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """HTTP/1.0 needs no Host: the upstream then gets its own authority."""
+    proxy = await start_proxy(
+        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
+    )
+    assert proxy.port is not None
+    head = b"PUT /bucket/k HTTP/1.0\r\nFencing-Job: j\r\nFencing-Token: 1\r\nContent-Length: 0"
+    answer = await send(proxy.port, head + b"\r\n\r\n")
+    assert answer.status == 200
+    [received] = raw_upstream.received
+    assert received.values("Host") == [raw_upstream.url.removeprefix("http://")]
