@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from .errors import (
     FencingHeaderMissing,
     JobQuarantined,
     Refusal,
+    RequestHeaderMalformed,
     StoreError,
     StoreUnavailable,
     UnsupportedFraming,
@@ -835,4 +837,19 @@ def _host(request: web.BaseRequest, route: Route) -> str | None:
     it sent one (an HTTP/1.0 request may not); None for the upstream's authority."""
     if not route.preserve_host:
         return None
-    return request.headers.get("Host")
+    host = request.headers.get("Host")
+    if host is not None and not _AUTHORITY.fullmatch(host):
+        # Sent on as it came, it must be an authority (RFC 3986 §3.2): anything else
+        # would reach the upstream re-encoded, or as a second header line.
+        raise RequestHeaderMalformed(
+            "the Host header is not a host[:port] and cannot be forwarded unchanged",
+            header="Host",
+        )
+    return host
+
+
+# An authority as RFC 3986 spells it: a reg-name, an IPv4 or a bracketed IPv6
+# literal, and an optional port; ASCII only.
+_AUTHORITY = re.compile(
+    r"(?:[A-Za-z0-9\-._~!$&'()*+,;=%]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]*)?", re.ASCII
+)

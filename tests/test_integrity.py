@@ -794,3 +794,21 @@ async def test_host_preserve_without_a_host_sends_the_upstreams(
     assert answer.status == 200
     [received] = raw_upstream.received
     assert received.values("Host") == [raw_upstream.url.removeprefix("http://")]
+
+
+@pytest.mark.parametrize(
+    "value", [b"bucket.s3.test\xff", b"a b", b"evil.test/x", b"[::1"], ids=repr
+)
+async def test_host_preserve_refuses_a_host_it_could_not_forward_unchanged(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream, value: bytes
+) -> None:
+    proxy = await start_proxy(
+        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
+    )
+    assert proxy.port is not None
+    head = b"PUT /bucket/k HTTP/1.1\r\nHost: " + value
+    head += b"\r\nFencing-Job: j\r\nFencing-Token: 1\r\nContent-Length: 0"
+    head += b"\r\nConnection: close\r\n\r\n"
+    answer = await send(proxy.port, head)
+    assert answer.status == 400
+    assert raw_upstream.received == []
