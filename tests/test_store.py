@@ -198,29 +198,30 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
         await SQLiteStore.open(path)
     config = write_config(tmp_path, f"sqlite:///{path}")
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 3 -> 5" in capsys.readouterr().out
+    assert f"SQLite file {path}: schema version 3 -> 6" in capsys.readouterr().out
     with closing(sqlite3.connect(path)) as conn:
-        rows = conn.execute("SELECT route, job, key FROM idempotency_keys").fetchall()
-    assert rows == [("r", "j", "k")]
+        rows = conn.execute("SELECT route, job, key, state, scope FROM idempotency_keys")
+        # Left in flight by a proxy of the old version: no record ties it to a write,
+        # so it is unknown; and no caller, so it answers none.
+        assert rows.fetchall() == [("r", "j", "k", "unknown", b"")]
     store = await SQLiteStore.open(path)
     try:
         assert await store.generation("j") == 7
         retry = keyed("j", 7, "k")
         decision = await admit(store, retry)
-        # Left in flight by a proxy of the old version: no record ties it to a write.
-        assert decision.slug == "duplicate-outcome-unknown"  # type: ignore[union-attr]
+        assert decision.slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
     finally:
         await store.close()
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 5, up to date" in capsys.readouterr().out
+    assert "schema version 6, up to date" in capsys.readouterr().out
 
 
 async def test_a_new_sqlite_file_is_created_at_the_current_version(tmp_path: Path) -> None:
-    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 5)
+    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 6)
     store = await SQLiteStore.open(tmp_path / "b.db")  # serve needs no migrate step
     await store.close()
     with closing(sqlite3.connect(tmp_path / "b.db")) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (5,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (6,)
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -230,7 +231,7 @@ async def test_a_newer_sqlite_schema_is_refused(tmp_path: Path) -> None:
     with closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA user_version = 99")
     for attempt in (SQLiteStore.open(path), SQLiteStore.migrate(path)):
-        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 5"):
+        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 6"):
             await attempt
 
 
@@ -241,13 +242,13 @@ async def test_postgres_must_be_migrated_before_it_serves(
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 3" in capsys.readouterr().out
+    assert "schema version 0 -> 4" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 3, up to date" in capsys.readouterr().out
+    assert "schema version 4, up to date" in capsys.readouterr().out
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 3"):
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 4"):
         await PostgresStore.open(fresh_postgres)
 
 
