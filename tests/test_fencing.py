@@ -308,7 +308,11 @@ def test_decide_another_callers_key_is_refused_before_anything_else(
     assert not isinstance(decide(own, 9, theirs), KeyOtherCaller)
 
 
-@pytest.mark.parametrize("caller", [SHARED_SCOPE, ALICE, scope([("Authorization", [])])])
+@pytest.mark.parametrize(
+    "caller",
+    [SHARED_SCOPE, ALICE, scope([("Authorization", [])])],
+    ids=["shared", "a-credential", "no-credential"],
+)
 def test_decide_a_key_from_before_callers_answers_nobody(caller: bytes) -> None:
     record = KeyRecord(KeyState.COMPLETED, FP, STORED, scope=UNSCOPED)
     result = decide(
