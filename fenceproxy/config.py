@@ -40,6 +40,7 @@ from pydantic import (
 from yarl import URL
 
 from .errors import ConfigError
+from .fencing import DEFAULT_SCOPE_HEADERS
 from .lease_auth import SECRET, LeaseCredentials
 from .tokens import KEY_ID, SigningKeys, decode_key
 from .units import parse_duration, parse_size
@@ -210,6 +211,10 @@ class FenceSpec(_Model):
     job_header: str = "Fencing-Job"
     token_header: str = "Fencing-Token"
     key_header: str = "Idempotency-Key"
+    scope_headers: tuple[str, ...] = DEFAULT_SCOPE_HEADERS
+    """Whose an idempotency key is: a key on record answers only a caller that sends
+    these headers with the same values (absent ones included). ``[]``: one caller,
+    everyone, so a key's answer is replayed to whoever repeats the request."""
     on_duplicate: Literal["replay", "reject"] = "replay"
     tokens: Literal["any", "signed"] = "any"
     """``signed``: only tokens signed by a key of ``signing`` are taken; ``any`` also
@@ -239,11 +244,35 @@ class FenceSpec(_Model):
     def _headers(cls, value: str) -> str:
         return _header_name(value)
 
+    @field_validator("scope_headers", mode="before")
+    @classmethod
+    def _scope_list(cls, value: Any) -> Any:
+        if not isinstance(value, list | tuple):
+            raise ValueError(
+                "expected a list of header names, such as [Authorization, Cookie], "
+                "or [] for keys shared by every caller"
+            )
+        return value
+
+    @field_validator("scope_headers")
+    @classmethod
+    def _scope_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            _header_name(name)
+        if len({name.lower() for name in value}) != len(value):
+            raise ValueError("a header is named twice")
+        return value
+
     @model_validator(mode="after")
     def _distinct(self) -> FenceSpec:
         names = [self.job_header.lower(), self.token_header.lower(), self.key_header.lower()]
         if len(set(names)) != 3:
             raise ValueError("job_header, token_header and key_header must differ")
+        if any(name.lower() in names for name in self.scope_headers):
+            raise ValueError(
+                "scope_headers must not name the job, token or key header: a caller is "
+                "who sends the write, not the write itself"
+            )
         return self
 
 

@@ -36,6 +36,7 @@
         ├── DuplicateRejected        409  the key completed and the route does not replay
         ├── DuplicateNotStored       409  the key completed, its response was too large to keep
         ├── KeyReused                422  the same key with another method, path or body
+        ├── KeyOtherCaller           422  the same key, stored or in flight for another caller
         ├── StoreUnavailable         503  the fence could not be read or recorded
         ├── StoreNotReady            503  the admin listener's /readyz: the store is not ready
         ├── JobQuarantined           503  an earlier write of the job has an unknown outcome
@@ -84,6 +85,7 @@ __all__ = [
     "InternalError",
     "JobCompleted",
     "JobQuarantined",
+    "KeyOtherCaller",
     "KeyReused",
     "LeaseError",
     "LeaseExpired",
@@ -344,6 +346,18 @@ class KeyReused(Refusal):
         "idempotency-key-reused",
         422,
         "Idempotency key reused for a different request",
+    )
+
+
+class KeyOtherCaller(Refusal):
+    """The key is on record for another caller (another credential, or a write from
+    before keys were scoped to callers). Nothing of that write is told: not its answer,
+    its status, nor whether it is still in flight."""
+
+    slug, status, title = (
+        "idempotency-key-other-caller",
+        422,
+        "Idempotency key used by another caller",
     )
 
 

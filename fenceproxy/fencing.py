@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import itertools
 import os
 import re
@@ -24,6 +25,7 @@ from .errors import (
     DuplicateRejected,
     FencingHeaderMalformed,
     IdempotencyKeyMalformed,
+    KeyOtherCaller,
     KeyReused,
     MethodOverrideMalformed,
     Refusal,
@@ -31,9 +33,12 @@ from .errors import (
 )
 
 __all__ = [
+    "DEFAULT_SCOPE_HEADERS",
     "GENERATION_MAX",
     "JOB_MAX_BYTES",
     "KEY_MAX_CHARS",
+    "SHARED_SCOPE",
+    "UNSCOPED",
     "Admit",
     "Busy",
     "FencedWrite",
@@ -47,6 +52,7 @@ __all__ = [
     "parse_job",
     "parse_key",
     "parse_method_override",
+    "scope",
     "single_field",
 ]
 
@@ -148,6 +154,56 @@ def fingerprint(method: str, target: str, body: bytes, override: str | None = No
     return digest.digest()
 
 
+DEFAULT_SCOPE_HEADERS = ("Authorization", "Cookie")
+"""Whose key is it: by default, whoever sends these credentials."""
+
+
+def scope(fields: Sequence[tuple[str, Sequence[str]]]) -> bytes:
+    """Who a keyed write is from, as a SHA-256 digest of the caller's credentials: each
+    scope header's name (lower-case) with every value it came with, in order. Each
+    part is length-prefixed, so a header's values cannot be read as another's, and a
+    header sent empty is another caller than one without it. The credentials are
+    never stored, only this."""
+    digest = hashlib.sha256(b"fenceproxy caller scope 1\0")
+    for name, values in fields:
+        raw = name.lower().encode("ascii")
+        digest.update(len(raw).to_bytes(4, "big") + raw + len(values).to_bytes(4, "big"))
+        for value in values:
+            if raw == b"authorization":
+                value = signer(value)
+            data = value.encode("utf-8", "surrogateescape")
+            digest.update(len(data).to_bytes(4, "big") + data)
+    return digest.digest()
+
+
+# Schemes that sign each request anew (a date, a signature): the caller is the
+# credential they name, or a client's own retry would be another caller.
+_SIGV4 = re.compile(r"(AWS4-[A-Z0-9-]+) +Credential=([^/,\s]+)/", re.ASCII)
+_SIGV2 = re.compile(r"(AWS) +([^:\s]+):", re.ASCII)
+
+
+def signer(authorization: str) -> str:
+    """The part of an ``Authorization`` value that names its caller. A request signed
+    by AWS Signature Version 4 (or 2) is named by its scheme and access key id, since
+    botocore and the AWS SDKs sign every retry again, with a new date and signature;
+    any other value (a bearer token, Basic credentials) is its own whole self.
+
+    The proxy cannot check a signature, so for signed requests the scope is the
+    access key the request claims: the idempotency key (random, per operation) is
+    what keeps another holder of the same access key id from a replay."""
+    for pattern in (_SIGV4, _SIGV2):
+        if (match := pattern.match(authorization)) is not None:
+            return f"{match[1]} {match[2]}"
+    return authorization
+
+
+SHARED_SCOPE = scope(())
+"""The scope of every caller on a route that scopes by no header (``scope_headers: []``)."""
+UNSCOPED = b""
+"""The scope of a key stored before keys were scoped to callers (by a schema that had
+none): it matches no caller, so its answer is replayed to nobody."""
+
+
 class KeyState(enum.StrEnum):
     IN_FLIGHT = "in_flight"
     COMPLETED = "completed"
@@ -168,6 +224,8 @@ class KeyRecord:
     state: KeyState
     fingerprint: bytes
     response: StoredResponse | None = None
+    scope: bytes = SHARED_SCOPE
+    """Whose key it is (:func:`scope`), or :data:`UNSCOPED`."""
 
 
 # Turns are named by a random process prefix and a counter: unique across the proxies
@@ -194,6 +252,8 @@ class FencedWrite:
     generation: int
     key: str | None = None
     fingerprint: bytes | None = None
+    scope: bytes = SHARED_SCOPE
+    """Who sent it (:func:`scope`): a key on record answers its own caller only."""
     replay: bool = True
     turn: str = field(default_factory=_new_turn)
     hold: float = 60.0
@@ -233,10 +293,18 @@ def decide(
 
     A key on record is looked at first: a retry of a write that was applied is answered
     from the record even when a newer generation has come since, because the proxy
-    must not apply it twice and the stored answer is the truth about it.
+    must not apply it twice and the stored answer is the truth about it. Before
+    anything else about it, whose it is: another caller's key (or one from before keys
+    had callers) tells nothing of its write, neither its answer, its status, whether
+    it is in flight, nor whether the request is the same.
     """
     if key is not None:
         assert write.key is not None
+        if key.scope == UNSCOPED or not hmac.compare_digest(key.scope, write.scope):
+            return KeyOtherCaller(
+                "this Idempotency-Key is on record for another caller; send a key of your own",
+                job=write.job,
+            )
         if key.fingerprint != write.fingerprint:
             return KeyReused(
                 "this Idempotency-Key was used for a request with another method, path or body",

@@ -63,6 +63,7 @@ from .errors import (
     UpstreamTimeout,
 )
 from .fencing import (
+    SHARED_SCOPE,
     Admit,
     Busy,
     FencedWrite,
@@ -75,6 +76,7 @@ from .fencing import (
     parse_job,
     parse_key,
     parse_method_override,
+    scope,
     single_field,
 )
 from .http1 import UpstreamResponse
@@ -117,6 +119,7 @@ WOULD_REFUSE = frozenset(
         "duplicate-rejected",
         "duplicate-not-stored",
         "idempotency-key-reused",
+        "idempotency-key-other-caller",
         "job-quarantined",
         "store-unavailable",
     }
@@ -423,6 +426,10 @@ class Proxy:
             job,
             generation,
             key=key,
+            # Whose the key is: a digest of the caller's credentials, never them.
+            scope=SHARED_SCOPE
+            if key is None
+            else scope([(str(n), _values(h, n, aliases)) for n in fence.scope_headers]),
             replay=fence.replay,
             hold=_in_flight_for(route) + route.quarantine + _TURN_SLACK,
             check_lease=fence.check_lease,
@@ -449,7 +456,7 @@ class Proxy:
             assert isinstance(decision, Replay)
             return _replay(decision.response)
         assert write.fingerprint is not None
-        self._keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint)
+        self._keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint, scope=write.scope)
         try:
             return await self._forward_fenced(request, route, target, write, headers, body)
         finally:
@@ -631,7 +638,7 @@ class Proxy:
             await self._store_settlement(write, outcome)
         except StoreError as exc:
             proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
-            self._keys[slot] = _record(write.fingerprint, outcome)
+            self._keys[slot] = _record(write, outcome)
             self._retry_later(
                 lambda: self._store_settlement(write, outcome),
                 lambda: self._keys.pop(slot, None),
@@ -743,13 +750,14 @@ def _values(
     return values
 
 
-def _record(fp: bytes, outcome: _Outcome) -> KeyRecord:
-    """The in-memory stand-in for a settlement the store has not taken yet. A key
-    not sent but still reserved in the store reads as unknown until then: never
-    let a duplicate through on a guess."""
+def _record(write: FencedWrite, outcome: _Outcome) -> KeyRecord:
+    """The in-memory stand-in for a settlement the store has not taken yet, its
+    caller's only. A key not sent but still reserved in the store reads as unknown
+    until then: never let a duplicate through on a guess."""
+    assert write.fingerprint is not None
     if isinstance(outcome, StoredResponse):
-        return KeyRecord(KeyState.COMPLETED, fp, outcome)
-    return KeyRecord(KeyState.UNKNOWN, fp)
+        return KeyRecord(KeyState.COMPLETED, write.fingerprint, outcome, write.scope)
+    return KeyRecord(KeyState.UNKNOWN, write.fingerprint, scope=write.scope)
 
 
 def _check_length(request: web.BaseRequest, route: Route) -> None:

@@ -37,6 +37,8 @@ class Fence:
     job_header: istr
     token_header: istr
     key_header: istr
+    scope_headers: tuple[istr, ...]
+    """Whose a key is: the headers whose values make a caller (none: every caller is one)."""
     replay: bool
     signed_only: bool
     """Only signed tokens are taken (plain integers are refused)."""
@@ -87,6 +89,7 @@ class Route:
                 job_header=istr(spec.fence.job_header),
                 token_header=istr(spec.fence.token_header),
                 key_header=istr(spec.fence.key_header),
+                scope_headers=tuple(istr(name) for name in spec.fence.scope_headers),
                 fields=frozenset(
                     name.lower()
                     for name in (

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
@@ -349,3 +350,28 @@ async def test_a_claim_answered_too_late_is_given_back(service: Client) -> None:
         leases.hold("job", owner="a", ttl=30) as lease,
     ):
         assert lease.generation == 2
+
+
+async def test_a_write_retried_with_the_clients_credentials_keeps_its_key(
+    service: Client, upstream: RecordingUpstream
+) -> None:
+    """The credentials of the client's own httpx session go with every attempt, so
+    its retries are its own; another session's are not, and are not retried."""
+    base = url(service)
+    key = {"Idempotency-Key": "invoice-42-10"}
+    async with (
+        LeaseClient(base) as leases,
+        httpx.AsyncClient(headers={"Authorization": "Bearer worker-a"}) as mine,
+        httpx.AsyncClient(headers={"Authorization": "Bearer worker-b"}) as theirs,
+        leases.hold("job", owner="w", ttl=30) as lease,
+    ):
+        first = await lease.request(mine, "POST", f"{base}/billing/x", json={}, headers=key)
+        assert first.status_code == 200
+        again = await lease.request(mine, "POST", f"{base}/billing/x", json={}, headers=key)
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json() == first.json()
+        other = await lease.request(theirs, "POST", f"{base}/billing/x", json={}, headers=key)
+        assert other.status_code == 422
+        assert other.json()["type"].endswith("idempotency-key-other-caller")
+        await lease.complete()
+    assert len(upstream.received) == 1

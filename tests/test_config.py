@@ -103,7 +103,14 @@ def test_minimal_file_gives_documented_defaults(tmp_path: Path) -> None:
     assert route.fence.job_header == "Fencing-Job"
     assert route.fence.token_header == "Fencing-Token"
     assert route.fence.key_header == "Idempotency-Key"
+    assert route.fence.scope_headers == ("Authorization", "Cookie")
     assert route.fence.on_duplicate == "replay"
+
+
+def test_scope_headers_may_be_empty_for_keys_shared_by_every_caller(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, one_route("fence:\n  scope_headers: []\n")))
+    assert config.routes[0].fence is not None
+    assert config.routes[0].fence.scope_headers == ()
 
 
 def test_listen_and_store_default_when_omitted(tmp_path: Path) -> None:
@@ -325,6 +332,30 @@ BAD_FILES = [
         "routes[0].host",
         "'upstream' or 'preserve'",
         id="host-unknown",
+    ),
+    pytest.param(
+        one_route("fence:\n  scope_headers: Authorization\n"),
+        "routes[0].fence.scope_headers",
+        "expected a list of header names",
+        id="scope-headers-not-a-list",
+    ),
+    pytest.param(
+        one_route("fence:\n  scope_headers: [Authorization, X Api Key]\n"),
+        "routes[0].fence.scope_headers",
+        "'X Api Key' is not a valid HTTP header name",
+        id="scope-header-name-with-space",
+    ),
+    pytest.param(
+        one_route("fence:\n  scope_headers: [Cookie, cookie]\n"),
+        "routes[0].fence.scope_headers",
+        "a header is named twice",
+        id="scope-header-twice",
+    ),
+    pytest.param(
+        one_route("fence:\n  scope_headers: [Authorization, idempotency-key]\n"),
+        "routes[0].fence",
+        "scope_headers must not name the job, token or key header",
+        id="scope-header-is-a-fencing-field",
     ),
     pytest.param(
         "trusted_proxies: [10.0.0.0/8, proxy.internal]\n" + one_route(),

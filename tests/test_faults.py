@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from fenceproxy.errors import StoreError
-from fenceproxy.fencing import FencedWrite, Replay, StoredResponse, fingerprint
+from fenceproxy.fencing import FencedWrite, Replay, StoredResponse, fingerprint, scope
 from fenceproxy.store import SQLiteStore
 from fenceproxy.testing import FakeClock, Received, RecordingUpstream
 
@@ -142,7 +142,12 @@ async def test_failed_key_record_is_kept_in_memory_and_retried(
     # The record reaches the store on a later try, and is then answered from there.
     got = upstream.received[0]
     write = FencedWrite(
-        "billing", "j", 1, key="k", fingerprint=fingerprint(got.method, got.path_qs, got.body)
+        "billing",
+        "j",
+        1,
+        key="k",
+        fingerprint=fingerprint(got.method, got.path_qs, got.body),
+        scope=scope([("Authorization", []), ("Cookie", [])]),  # a caller without either
     )
     async with asyncio.timeout(10):
         while not isinstance(await admit(faulty, write), Replay):

@@ -4,6 +4,7 @@ problem types of the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import unicodedata
 from typing import Any
 
@@ -20,12 +21,15 @@ from fenceproxy.errors import (
     DuplicateRejected,
     FencingHeaderMalformed,
     IdempotencyKeyMalformed,
+    KeyOtherCaller,
     KeyReused,
     Refusal,
     StaleGeneration,
 )
 from fenceproxy.fencing import (
     GENERATION_MAX,
+    SHARED_SCOPE,
+    UNSCOPED,
     Admit,
     FencedWrite,
     KeyRecord,
@@ -37,6 +41,8 @@ from fenceproxy.fencing import (
     parse_generation,
     parse_job,
     parse_key,
+    scope,
+    signer,
 )
 
 TOKEN = "Fencing-Token"
@@ -273,6 +279,94 @@ def test_decide_completed_key_replays_even_when_generation_is_stale() -> None:
 def test_decide_new_key_is_fenced_like_any_write() -> None:
     assert isinstance(decide(write(3, key="k1"), 9, None), StaleGeneration)
     assert decide(write(9, key="k1"), 9, None) == Admit(raise_to=None)
+
+
+ALICE = scope([("Authorization", ["Bearer alice"]), ("Cookie", [])])
+BOB = scope([("Authorization", ["Bearer bob"]), ("Cookie", [])])
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        completed(),
+        completed(fp=OTHER_FP),  # not even whether the request is the same is told
+        completed(StoredResponse(200, (), None)),
+        KeyRecord(KeyState.IN_FLIGHT, FP),
+        KeyRecord(KeyState.UNKNOWN, FP),
+    ],
+    ids=["completed", "other-request", "not-stored", "in-flight", "unknown"],
+)
+@pytest.mark.parametrize("replay", [True, False])
+def test_decide_another_callers_key_is_refused_before_anything_else(
+    record: KeyRecord, replay: bool
+) -> None:
+    theirs = KeyRecord(record.state, record.fingerprint, record.response, scope=ALICE)
+    mine = FencedWrite("billing", "invoice-42", 3, key="k1", fingerprint=FP, scope=BOB)
+    result = decide(dataclasses.replace(mine, replay=replay), 9, theirs)
+    assert isinstance(result, KeyOtherCaller)
+    assert (result.status, result.extensions) == (422, {"job": "invoice-42"})
+    own = dataclasses.replace(mine, scope=ALICE, replay=replay)
+    assert not isinstance(decide(own, 9, theirs), KeyOtherCaller)
+
+
+@pytest.mark.parametrize(
+    "caller",
+    [SHARED_SCOPE, ALICE, scope([("Authorization", [])])],
+    ids=["shared", "a-credential", "no-credential"],
+)
+def test_decide_a_key_from_before_callers_answers_nobody(caller: bytes) -> None:
+    record = KeyRecord(KeyState.COMPLETED, FP, STORED, scope=UNSCOPED)
+    result = decide(
+        FencedWrite("billing", "j", 1, key="k", fingerprint=FP, scope=caller), 1, record
+    )
+    assert isinstance(result, KeyOtherCaller)
+
+
+def test_scope_tells_callers_apart_by_every_name_value_and_order() -> None:
+    callers = [
+        [("Authorization", []), ("Cookie", [])],
+        [("Authorization", [""]), ("Cookie", [])],  # empty, not absent
+        [("Authorization", ["x"]), ("Cookie", [])],
+        [("Authorization", []), ("Cookie", ["x"])],  # the same value under another name
+        [("Authorization", ["x", "y"]), ("Cookie", [])],
+        [("Authorization", ["y", "x"]), ("Cookie", [])],
+        [("Authorization", ["xy"]), ("Cookie", [])],
+        [("Authorization", ["x"]), ("Cookie", ["y"])],
+        [("Authorization", ["x\0y"]), ("Cookie", [])],
+        [],
+    ]
+    digests = [scope(fields) for fields in callers]
+    assert len(set(digests)) == len(callers)
+    assert all(len(d) == 32 for d in digests)
+    assert scope([("authorization", ["x"]), ("cookie", [])]) == digests[2]  # any case
+    assert scope([]) == SHARED_SCOPE
+    assert UNSCOPED not in digests
+
+
+def sigv4(key_id: str, date: str, signature: str) -> str:
+    return (
+        f"AWS4-HMAC-SHA256 Credential={key_id}/{date}/us-east-1/s3/aws4_request, "
+        f"SignedHeaders=host;x-amz-date, Signature={signature}"
+    )
+
+
+def test_scope_of_a_signed_request_is_its_access_key_not_its_signature() -> None:
+    """botocore signs each retry anew (another date, another signature): a retry is
+    still its caller's, or a lost answer could never be replayed to it."""
+
+    def caller(authorization: str) -> bytes:
+        return scope([("Authorization", [authorization]), ("Cookie", [])])
+
+    first = caller(sigv4("AKIDALICE", "20261204", "a" * 64))
+    assert caller(sigv4("AKIDALICE", "20261205", "b" * 64)) == first
+    assert caller(sigv4("AKIDBOB", "20261204", "a" * 64)) != first
+    assert caller("AWS AKIDALICE:c2lnbmF0dXJlMQ==") == caller("AWS AKIDALICE:c2lnbmF0dXJlMg==")
+    assert caller("AWS AKIDALICE:c2lnbmF0dXJlMQ==") != first  # another scheme
+    # A bearer token is its whole self: two tokens are two callers.
+    assert caller("Bearer one") != caller("Bearer two")
+    assert signer("Bearer AWS4-HMAC-SHA256 Credential=AKIDALICE/") == (
+        "Bearer AWS4-HMAC-SHA256 Credential=AKIDALICE/"
+    )
 
 
 # A write in the model run: generation, idempotency key (or none), body.

@@ -2,8 +2,8 @@
 
 A hypothesis state machine drives one job through a store (SQLite and PostgreSQL
 both) with random claims, renewals, completions, releases, fenced writes with and
-without idempotency keys, answers, timeouts, writes given back, proxy crashes and
-clock advances. :class:`Reference` is the protocol as model/fenceproxy.pml states
+without idempotency keys from three callers, answers, timeouts, writes given back,
+proxy crashes and clock advances. :class:`Reference` is the protocol as model/fenceproxy.pml states
 it, in a few lines of Python that share no code with the store; every answer of
 the store, and what it holds after each step, must be what the reference says.
 """
@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 
 from fenceproxy import leasing
 from fenceproxy.errors import Refusal
-from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
+from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, scope
 from fenceproxy.leasing import Lease
 from fenceproxy.store import Store, open_store
 from fenceproxy.testing import FakeClock
@@ -48,6 +48,12 @@ KEY_TTL = 1e6  # keys outlive every run: their expiry is not what is checked her
 OWNERS = ("w", "w", "v")
 T = TypeVar("T")
 ANSWER = StoredResponse(200, (("content-type", "text/plain"),), b"done")
+# Who sends a keyed write: two credentials, and none.
+CALLERS = (
+    scope([("authorization", ["Bearer a"])]),
+    scope([("authorization", ["Bearer b"])]),
+    scope([("authorization", [])]),
+)
 
 
 @dataclass
@@ -64,6 +70,7 @@ class RefKey:
     fingerprint: bytes
     generation: int
     holder: str
+    scope: bytes
 
 
 @dataclass
@@ -141,6 +148,8 @@ class Reference:
 
     def admit(self, write: FencedWrite) -> str:
         if write.key is not None and (key := self.keys.get(write.key)) is not None:
+            if key.scope != write.scope:
+                return "idempotency-key-other-caller"
             if key.fingerprint != write.fingerprint:
                 return "idempotency-key-reused"
             record = self.live_record()
@@ -161,7 +170,7 @@ class Reference:
         if write.key is not None:
             assert write.fingerprint is not None
             self.keys[write.key] = RefKey(
-                "in_flight", write.fingerprint, write.generation, write.turn
+                "in_flight", write.fingerprint, write.generation, write.turn, write.scope
             )
         return "admitted"
 
@@ -275,14 +284,18 @@ class Protocol(RuleBasedStateMachine):
         key=st.sampled_from([None, "k1", "k2"]),
         body=st.sampled_from([b"a", b"b"]),
         checked=st.booleans(),
+        caller=st.sampled_from(CALLERS),
     )
-    def write(self, worker: int, older: int, key: str | None, body: bytes, checked: bool) -> object:
+    def write(
+        self, worker: int, older: int, key: str | None, body: bytes, checked: bool, caller: bytes
+    ) -> object:
         write = FencedWrite(
             "r",
             JOB,
             max(0, self.generations[worker] - older),
             key=key,
             fingerprint=None if key is None else body,
+            scope=caller,
             hold=HOLD,
             check_lease=checked,
         )

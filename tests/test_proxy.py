@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from multidict import CIMultiDict
 
 from fenceproxy.errors import PROBLEM_BASE
 from fenceproxy.testing import FakeClock, RecordingUpstream, drop_connection, free_port, status
@@ -527,3 +528,145 @@ async def test_a_proxy_with_only_its_lease_api_serves_leases_and_nothing_else(
     proxy = await start_proxy([], leases={})
     assert (await proxy.post("/_leases/job/claim", json={"owner": "w"})).status == 200
     await problem(await proxy.post("/billing/x"), 404, "no-route")
+
+
+# -- whose a key is ---------------------------------------------------------------------
+
+SECRET = {"card": "4242-4242-4242-4242", "api_secret": "sk_live_abc123"}
+
+
+def _secret_answer() -> Any:
+    async def respond(request: web.Request, received: object) -> web.StreamResponse:
+        return web.json_response(SECRET, status=201, headers={"X-Account": "acct_alice"})
+
+    return respond
+
+
+async def test_another_callers_key_is_422_and_tells_nothing_of_its_answer(
+    proxy: Client, upstream: RecordingUpstream
+) -> None:
+    upstream.respond = _secret_answer()
+    alice = {"Authorization": "Bearer alice"}
+    first = await fenced(proxy, "j", 1, key="k", body={"a": 1}, headers=alice)
+    assert first.status == 201
+    others: list[dict[str, str]] = [
+        {"Authorization": "Bearer mallory"},
+        {},  # no credential at all
+        {"Authorization": ""},  # an empty one is not an absent one, nor alice's
+        {"Cookie": "Bearer alice"},  # alice's value under another header
+        {"Authorization": "Bearer alice", "Cookie": "session=other"},
+    ]
+    for headers in others:
+        for generation in (1, 0):  # a stale token too
+            answer = await fenced(proxy, "j", generation, key="k", body={"a": 1}, headers=headers)
+            body = await problem(answer, 422, "idempotency-key-other-caller")
+            assert set(body) <= {"type", "title", "status", "detail", "instance", "job"}
+            assert body["job"] == "j"
+            text = await answer.text()
+            for secret in (*SECRET.values(), "acct_alice", "201", "flight"):
+                assert secret not in text
+            assert "X-Account" not in answer.headers
+            assert "Idempotent-Replayed" not in answer.headers
+    # Nor whether the request is the same: another body is refused alike.
+    other_body = await fenced(proxy, "j", 1, key="k", body={"a": 2}, headers=others[0])
+    await problem(other_body, 422, "idempotency-key-other-caller")
+    assert len(upstream.received) == 1
+    # Its own caller still gets its answer.
+    again = await fenced(proxy, "j", 1, key="k", body={"a": 1}, headers=alice)
+    assert again.status == 201
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert await again.json() == SECRET
+    assert len(upstream.received) == 1
+
+
+async def test_a_caller_is_every_value_of_its_scope_headers_in_order(
+    proxy: Client, upstream: RecordingUpstream
+) -> None:
+    def sent(*pairs: tuple[str, str]) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict(pairs)
+        headers.update({"Fencing-Job": "j", "Fencing-Token": "1", "Idempotency-Key": "k"})
+        return headers
+
+    caller = sent(("Cookie", "a=1"), ("Cookie", "b=2"))
+    assert (await proxy.post("/billing/x", json={}, headers=caller)).status == 200
+    for other in (
+        sent(("Cookie", "b=2"), ("Cookie", "a=1")),
+        sent(("Cookie", "a=1")),
+        sent(("Cookie", "a=1"), ("Cookie", "b=2"), ("Cookie", "")),
+    ):
+        answer = await proxy.post("/billing/x", json={}, headers=other)
+        await problem(answer, 422, "idempotency-key-other-caller")
+    again = await proxy.post("/billing/x", json={}, headers=caller)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert len(upstream.received) == 1
+
+
+async def test_a_route_without_scope_headers_replays_to_anyone(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(
+        [
+            {
+                "name": "billing",
+                "path": "/billing/",
+                "upstream": upstream.url,
+                "fence": {"scope_headers": []},
+            }
+        ]
+    )
+    upstream.respond = _secret_answer()
+    first = await fenced(proxy, "j", 1, key="k", headers={"Authorization": "Bearer alice"})
+    assert first.status == 201
+    for headers in ({"Authorization": "Bearer bob"}, {}):
+        again = await fenced(proxy, "j", 1, key="k", headers=headers)
+        assert again.status == 201
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert await again.json() == SECRET
+    assert len(upstream.received) == 1
+
+
+async def test_keys_can_be_scoped_by_a_header_of_the_apis_own(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await start_proxy(
+        [
+            {
+                "name": "billing",
+                "path": "/billing/",
+                "upstream": upstream.url,
+                "fence": {"scope_headers": ["X-Api-Key"]},
+            }
+        ]
+    )
+    first = await fenced(proxy, "j", 1, key="k", headers={"X-Api-Key": "alice"})
+    assert first.status == 200
+    # Only the configured header makes the caller: Authorization is not part of it.
+    same = {"X-Api-Key": "alice", "Authorization": "Bearer anything"}
+    assert (await fenced(proxy, "j", 1, key="k", headers=same)).headers[
+        "Idempotent-Replayed"
+    ] == "true"
+    # The spelling CGI servers read as X-Api-Key is the same caller to the proxy.
+    underscored = await fenced(proxy, "j", 1, key="k", headers={"X_Api_Key": "alice"})
+    assert underscored.headers["Idempotent-Replayed"] == "true"
+    for other in ({"X-Api-Key": "bob"}, {"Authorization": "Bearer alice"}):
+        answer = await fenced(proxy, "j", 1, key="k", headers=other)
+        await problem(answer, 422, "idempotency-key-other-caller")
+    assert len(upstream.received) == 1
+
+
+async def test_another_caller_while_the_key_is_in_flight_gets_422_not_409(
+    proxy: Client, upstream: RecordingUpstream
+) -> None:
+    release = upstream.hold()
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    first = asyncio.ensure_future(fenced(proxy, "j", 1, key="k", body={"a": 1}, headers=alice))
+    await upstream.wait_for(1)
+    answer = await fenced(proxy, "j", 1, key="k", body={"a": 1}, headers=bob)
+    body = await problem(answer, 422, "idempotency-key-other-caller")
+    assert "Retry-After" not in answer.headers
+    assert "flight" not in body["detail"]
+    duplicate = await fenced(proxy, "j", 1, key="k", body={"a": 1}, headers=alice)
+    await problem(duplicate, 409, "duplicate-in-flight")
+    release()
+    assert (await first).status == 200
+    assert len(upstream.received) == 1

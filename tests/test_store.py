@@ -5,6 +5,7 @@ versioned and migrated, a closed store refuses work."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sqlite3
 from collections.abc import AsyncIterator, Callable
@@ -16,10 +17,19 @@ import pytest
 
 from fenceproxy import cli, leasing
 from fenceproxy.errors import Refusal, StaleGeneration, StoreError, WriteInFlight
-from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
+from fenceproxy.fencing import (
+    SHARED_SCOPE,
+    Admit,
+    Busy,
+    FencedWrite,
+    Replay,
+    StoredResponse,
+    scope,
+)
 from fenceproxy.leasing import Lease
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.store import postgres as postgres_store
+from fenceproxy.store import sqlite as sqlite_store
 from fenceproxy.testing import FakeClock
 
 from .conftest import admit
@@ -51,6 +61,10 @@ async def fresh_postgres(postgres: PostgresServer) -> AsyncIterator[str]:
     await sql(postgres.url(), f"CREATE DATABASE {name}")
     yield postgres.url(name)
     await sql(postgres.url(), f"DROP DATABASE {name} WITH (FORCE)")
+
+
+ALICE = scope([("authorization", ["Bearer alice"]), ("cookie", [])])
+BOB = scope([("authorization", ["Bearer bob"]), ("cookie", [])])
 
 
 def keyed(job: str, generation: int, key: str) -> FencedWrite:
@@ -198,29 +212,79 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
         await SQLiteStore.open(path)
     config = write_config(tmp_path, f"sqlite:///{path}")
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 3 -> 5" in capsys.readouterr().out
+    assert f"SQLite file {path}: schema version 3 -> 6" in capsys.readouterr().out
     with closing(sqlite3.connect(path)) as conn:
-        rows = conn.execute("SELECT route, job, key FROM idempotency_keys").fetchall()
-    assert rows == [("r", "j", "k")]
+        rows = conn.execute("SELECT route, job, key, state, scope FROM idempotency_keys")
+        # Left in flight by a proxy of the old version: no record ties it to a write,
+        # so it is unknown; and no caller, so it answers none.
+        assert rows.fetchall() == [("r", "j", "k", "unknown", b"")]
     store = await SQLiteStore.open(path)
     try:
         assert await store.generation("j") == 7
         retry = keyed("j", 7, "k")
         decision = await admit(store, retry)
-        # Left in flight by a proxy of the old version: no record ties it to a write.
-        assert decision.slug == "duplicate-outcome-unknown"  # type: ignore[union-attr]
+        assert decision.slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
     finally:
         await store.close()
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 5, up to date" in capsys.readouterr().out
+    assert "schema version 6, up to date" in capsys.readouterr().out
+
+
+# Keys a proxy stored before keys had callers: answered, with a secret in the answer.
+OLD_KEY_CALLERS = [ALICE, BOB, scope([("authorization", []), ("cookie", [])]), SHARED_SCOPE]
+
+
+async def old_keys_answer_nobody(store: Store) -> None:
+    """What a store migrated from before callers answers for its keys: nothing, to
+    anyone; new keys answer their own caller."""
+    for caller in OLD_KEY_CALLERS:
+        retry = FencedWrite("r", "j", 7, key="k", fingerprint=b"k", scope=caller)
+        assert (await admit(store, retry)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+    new = FencedWrite("r", "j", 7, key="new", fingerprint=b"n", scope=ALICE)
+    assert isinstance(await admit(store, new), Admit)
+    await store.complete_key(new, StoredResponse(200, (), b"ok"))
+    await store.end_turn(new)
+    assert isinstance(await admit(store, new), Replay)
+    other = dataclasses.replace(new, scope=BOB)
+    assert (await admit(store, other)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+
+
+async def test_a_sqlite_file_of_the_previous_version_keeps_its_keys_from_every_caller(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "v5.db"
+    with closing(sqlite3.connect(path)) as conn:
+        for version in (3, 4, 5):
+            conn.executescript(sqlite_store._MIGRATIONS[version])
+        conn.execute(
+            "INSERT INTO idempotency_keys (job, key, route, state, fingerprint, generation,"
+            " status, headers, body, created_at, expires_at) VALUES ('j', 'k', 'r',"
+            " 'completed', x'6b', 7, 201, '[]', CAST('{\"card\": \"4242\"}' AS BLOB), 0, 1e12)"
+        )
+        conn.execute("INSERT INTO fences VALUES ('j', 7, 0)")
+        conn.execute("PRAGMA user_version = 5")
+        conn.commit()
+    with pytest.raises(StoreError, match="has schema version 5, and this fenceproxy needs 6"):
+        await SQLiteStore.open(path)
+    config = write_config(tmp_path, f"sqlite:///{path}")
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    assert f"SQLite file {path}: schema version 5 -> 6" in capsys.readouterr().out
+    with closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT key, state, body, scope FROM idempotency_keys").fetchall()
+    assert rows == [("k", "completed", b'{"card": "4242"}', b"")]
+    store = await SQLiteStore.open(path)
+    try:
+        await old_keys_answer_nobody(store)
+    finally:
+        await store.close()
 
 
 async def test_a_new_sqlite_file_is_created_at_the_current_version(tmp_path: Path) -> None:
-    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 5)
+    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 6)
     store = await SQLiteStore.open(tmp_path / "b.db")  # serve needs no migrate step
     await store.close()
     with closing(sqlite3.connect(tmp_path / "b.db")) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (5,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (6,)
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -230,7 +294,7 @@ async def test_a_newer_sqlite_schema_is_refused(tmp_path: Path) -> None:
     with closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA user_version = 99")
     for attempt in (SQLiteStore.open(path), SQLiteStore.migrate(path)):
-        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 5"):
+        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 6"):
             await attempt
 
 
@@ -241,13 +305,13 @@ async def test_postgres_must_be_migrated_before_it_serves(
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 3" in capsys.readouterr().out
+    assert "schema version 0 -> 4" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 3, up to date" in capsys.readouterr().out
+    assert "schema version 4, up to date" in capsys.readouterr().out
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 3"):
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 4"):
         await PostgresStore.open(fresh_postgres)
 
 
@@ -272,6 +336,37 @@ async def test_a_postgres_store_of_the_first_version_keeps_one_key_per_job(
     finally:
         await conn.close()
     assert [tuple(r) for r in rows] == [("old", "i", "k"), ("new", "j", "k")]
+
+
+async def test_a_postgres_store_of_the_previous_version_keeps_its_keys_from_every_caller(
+    fresh_postgres: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await sql(
+        fresh_postgres,
+        *(postgres_store._MIGRATIONS[version] for version in (1, 2, 3)),
+        "CREATE TABLE fenceproxy_schema (version integer NOT NULL)",
+        "INSERT INTO fenceproxy_schema VALUES (3)",
+        "INSERT INTO fences VALUES ('j', 7, 0)",
+        "INSERT INTO idempotency_keys (route, job, key, state, fingerprint, generation, status,"
+        " headers, body, created_at, expires_at) VALUES ('r', 'j', 'k', 'completed', '\\x6b',"
+        " 7, 201, '[]', convert_to('{\"card\": \"4242\"}', 'UTF8'), 0, 1e12)",
+    )
+    with pytest.raises(StoreError, match="schema version 3"):
+        await PostgresStore.open(fresh_postgres)
+    config = write_config(tmp_path, fresh_postgres)
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    assert "schema version 3 -> 4" in capsys.readouterr().out
+    conn = await asyncpg.connect(fresh_postgres)
+    try:
+        rows = await conn.fetch("SELECT key, state, body, scope FROM idempotency_keys")
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in rows] == [("k", "completed", b'{"card": "4242"}', b"")]
+    store = await PostgresStore.open(fresh_postgres)
+    try:
+        await old_keys_answer_nobody(store)
+    finally:
+        await store.close()
 
 
 async def test_two_migrations_at_once_take_turns(fresh_postgres: str) -> None:
@@ -361,6 +456,26 @@ async def test_a_key_is_its_jobs_whatever_route_it_came_by(store: Store) -> None
     assert (await admit(store, other)).slug == "idempotency-key-reused"  # type: ignore[union-attr]
     another_job = FencedWrite("refunds", "i", 1, key="k", fingerprint=b"refund $10")
     assert isinstance(await admit(store, another_job), Admit)
+
+
+async def test_a_key_answers_its_own_caller_only(store: Store, clock: FakeClock) -> None:
+    """In flight, unknown or answered, and after a restart of the proxy: the store
+    keeps whose a key is."""
+    alice = FencedWrite("r", "j", 1, key="k", fingerprint=b"charge $10", scope=ALICE, hold=30)
+    bob = dataclasses.replace(alice, scope=BOB)
+    assert isinstance(await admit(store, alice), Admit)
+    assert (await admit(store, bob)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+    await store.complete_key(alice, StoredResponse(201, (), b'{"card": "4242"}'))
+    await store.end_turn(alice)
+    assert (await admit(store, bob)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+    assert await admit(store, alice) == Replay(StoredResponse(201, (), b'{"card": "4242"}'))
+    unknown = FencedWrite("r", "j", 1, key="u", fingerprint=b"x", scope=ALICE)
+    assert isinstance(await admit(store, unknown), Admit)
+    await store.mark_unknown(unknown)
+    await store.end_turn(unknown)
+    other = dataclasses.replace(unknown, scope=BOB)
+    assert (await admit(store, other)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+    assert (await admit(store, unknown)).slug == "duplicate-outcome-unknown"  # type: ignore[union-attr]
 
 
 async def test_an_unknown_outcome_never_shortens_a_record(store: Store) -> None:

@@ -36,6 +36,7 @@ NOT_APPLIED = frozenset(
         "fencing-header-malformed",
         "idempotency-key-malformed",
         "idempotency-key-reused",
+        "idempotency-key-other-caller",
         "body-too-large",
     }
 )

@@ -376,29 +376,32 @@ def lease_record(row: Any) -> Lease | None:
 
 
 def key_record(row: Any) -> KeyRecord | None:
-    """A ``(state, fingerprint, status, headers, body, live)`` row as a key's record.
-    A key in flight whose write no longer holds its job's in-flight record (``live``
-    false: that proxy died, or the record expired) reads as unknown."""
+    """A ``(state, fingerprint, status, headers, body, live, scope)`` row as a key's
+    record. A key in flight whose write no longer holds its job's in-flight record
+    (``live`` false: that proxy died, or the record expired) reads as unknown."""
     if row is None:
         return None
-    state, fp, status, headers, body, live = row
+    state, fp, status, headers, body, live, scope = row
     response = None
     if state == KeyState.COMPLETED:
         pairs = tuple((str(k), str(v)) for k, v in json.loads(headers))
         response = StoredResponse(status=int(status), headers=pairs, body=body)
     elif state == KeyState.IN_FLIGHT and not live:
         state = KeyState.UNKNOWN
-    return KeyRecord(state=KeyState(state), fingerprint=bytes(fp), response=response)
+    return KeyRecord(
+        state=KeyState(state), fingerprint=bytes(fp), response=response, scope=bytes(scope)
+    )
 
 
 def key_row(write: FencedWrite, now: float, ttl: float) -> tuple[Any, ...]:
-    """A key going in flight, as the columns ``(route, job, key, fingerprint,
+    """A key going in flight, as the columns ``(route, job, key, fingerprint, scope,
     generation, holder, created_at, expires_at)``."""
     return (
         write.route,
         write.job,
         write.key,
         write.fingerprint,
+        write.scope,
         write.generation,
         write.turn,
         now,

@@ -131,6 +131,12 @@ ALTER TABLE idempotency_keys ADD PRIMARY KEY (job, key);
 COMMENT ON TABLE inflight IS
     'admissions and lease changes of a job serialize on its advisory lock (schema 3)';
 """,
+    # A key is its caller's (fenceproxy.fencing.scope). Keys stored before have no
+    # caller: the empty scope matches none, so their answers are replayed to nobody.
+    # A proxy from before would store keys without one: the version keeps it out.
+    4: """
+ALTER TABLE idempotency_keys ADD COLUMN scope bytea NOT NULL DEFAULT ''::bytea;
+""",
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 _VERSION_TABLE = "fenceproxy_schema"
@@ -188,7 +194,8 @@ _READ_KEY = _sql(
     f"""
 SELECT k.state, k.fingerprint, k.status, k.headers, k.body,
        EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
-               AND i.expires_at > {_NOW})
+               AND i.expires_at > {_NOW}),
+       k.scope
 FROM idempotency_keys k
 WHERE k.job = $1 AND k.key = $2
   AND (k.expires_at > {_NOW}
@@ -344,10 +351,11 @@ class PostgresStore(Store):
             if write.key is not None:
                 await conn.execute(
                     "INSERT INTO idempotency_keys (route, job, key, state, fingerprint,"
-                    " generation, holder, created_at, expires_at)"
-                    " VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, $8)"
+                    " scope, generation, holder, created_at, expires_at)"
+                    " VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, $8, $9)"
                     " ON CONFLICT (job, key) DO UPDATE SET route = excluded.route,"
                     " state = 'in_flight', fingerprint = excluded.fingerprint,"
+                    " scope = excluded.scope,"
                     " generation = excluded.generation, holder = excluded.holder,"
                     " status = NULL, headers = NULL, body = NULL,"
                     " created_at = excluded.created_at, expires_at = excluded.expires_at",

@@ -147,14 +147,19 @@ DROP TABLE idempotency_keys;
 ALTER TABLE idempotency_keys_of_jobs RENAME TO idempotency_keys;
 CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
 """,
+    # A key is its caller's (fenceproxy.fencing.scope). Keys stored before have no
+    # caller: the empty scope matches none, so their answers are replayed to nobody.
+    6: """
+ALTER TABLE idempotency_keys ADD COLUMN scope BLOB NOT NULL DEFAULT x'';
+""",
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 # A key past its time still counts while it is in flight for a write holding its
 # job's in-flight record: that write may yet be applied.
 _KEY_SQL = (
     "SELECT k.state, k.fingerprint, k.status, k.headers, k.body, EXISTS (SELECT 1 FROM"
-    " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > :now)"
-    " FROM idempotency_keys k WHERE k.job = :job AND k.key = :key"
+    " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > :now),"
+    " k.scope FROM idempotency_keys k WHERE k.job = :job AND k.key = :key"
     " AND (k.expires_at > :now OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM"
     " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > :now)))"
 )
@@ -272,8 +277,8 @@ class SQLiteStore(Store):
             if write.key is not None:
                 tx.write(
                     "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
-                    " fingerprint, generation, holder, created_at, expires_at)"
-                    " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?)",
+                    " fingerprint, scope, generation, holder, created_at, expires_at)"
+                    " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?, ?)",
                     key_row(write, now, self._key_ttl),
                 )
             return decision, recorded_at
