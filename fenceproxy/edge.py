@@ -17,6 +17,23 @@ What a client may hold of the proxy (``limits:`` in the config, nginx's defaults
   newcomer refused with 503;
 * **an idle keep-alive connection** is closed after ``keepalive_timeout``.
 
+HTTP/1.1 as clients use it:
+
+* **``Expect: 100-continue``** (curl above 1 KiB, botocore on every upload) gets
+  ``100 Continue`` once the request has passed every check that needs no body, just
+  before its body is first read (:class:`Bodies`, the one place bodies are read,
+  after the declared length is checked against the limit), once, and only in
+  HTTP/1.1; in HTTP/1.0 it is ignored. Any other expectation gets 417;
+* **an answer given before the request's body is all in** (a refusal on the head,
+  413 by ``Content-Length``, 408 or 503 mid-body, 417, or a client still sending)
+  says ``Connection: close`` (RFC 9110 §10.1.1): neither the body nor a request the
+  client sends behind it is ever read as a request. The answer ends with the
+  proxy's FIN; then the connection lingers, reading and dropping what the client
+  still sends so it is not reset before it reads the answer, until the client
+  closes, for at most ``LINGER_FOR`` (1 s) and ``LINGER_BYTES`` (1 MiB), and is
+  closed. A lingering connection is not worked for, so the cap may take it back
+  (aiohttp's own lingering, 10 s and unbounded in bytes, is off).
+
 The HTTP layer's own refusals (framing, a line too long, too many headers, another
 HTTP version, the HTTP/2 preface) are answered as problems too, and logged in one
 line. A request that carries ``Upgrade`` is answered as plain HTTP/1.1, then the
@@ -53,6 +70,7 @@ from .errors import (
     BodyTimeout,
     BodyTooLarge,
     ClientClosedRequest,
+    ExpectationFailed,
     HeaderTimeout,
     InternalError,
     ProxyBusy,
@@ -81,6 +99,11 @@ _SPOKEN = (HttpVersion11, HttpVersion10)
 # Descriptors kept for the store, the logs, the listening sockets and the like.
 _SPARE_FDS = 64
 _LOG_EVERY = 10.0
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# After an answer given before its request's body was in: how long, and how much of
+# the body, the connection goes on reading (and dropping) before it is closed.
+LINGER_FOR = 1.0
+LINGER_BYTES = 1024 * 1024
 
 
 def problem_response(refusal: Refusal) -> web.Response:
@@ -163,7 +186,10 @@ class Bodies:
 
     async def read(self, request: web.BaseRequest, limit: int) -> HeldBody:
         """The whole body, up to ``limit`` bytes (BodyTooLarge above). What it holds
-        counts against the cap until it is released (ProxyBusy beyond the cap)."""
+        counts against the cap until it is released (ProxyBusy beyond the cap).
+        A client that waits for ``100 Continue`` gets it here, once its declared
+        length is known to fit."""
+        _go_on(request, limit)
         content = request.content
         if content.is_eof() and content.exception() is None:
             # Arrived whole with the request head, as a small body does: no loop.
@@ -188,7 +214,9 @@ class Bodies:
 
     async def stream(self, request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:
         """The body as it arrives, stopped above ``limit`` bytes (BodyTooLarge), so an
-        over-long body never reaches the upstream as a complete request."""
+        over-long body never reaches the upstream as a complete request. A client
+        that waits for ``100 Continue`` gets it when the first piece is asked for."""
+        _go_on(request, limit)
         seen = 0
         async for chunk in self._chunks(request.content):
             seen += len(chunk)
@@ -247,6 +275,16 @@ class HeldBody:
             self._bodies = None
 
 
+def _go_on(request: web.BaseRequest, limit: int) -> None:
+    """Before a body is read: refuse a declared length above ``limit``, then send the
+    ``100 Continue`` the client may be waiting for."""
+    if request.content_length is not None:
+        check_body_size(request.content_length, limit)
+    protocol = request.protocol
+    if isinstance(protocol, ClientConnection):
+        protocol.send_continue()
+
+
 def check_body_size(size: int, limit: int) -> None:
     """BodyTooLarge when ``size`` bytes are above ``limit``."""
     if size > limit:
@@ -269,6 +307,23 @@ class RefusedRequest(web.BaseRequest):
     with ``refusal``, as HTTP/1.1, and the connection is closed."""
 
     refusal: Refusal
+
+
+def _expectation(message: RawRequestMessage) -> bool | ExpectationFailed:
+    """Whether the request's ``Expect`` fields ask for 100-continue (False when they
+    ask for nothing); the refusal when they ask for anything else (the value is
+    never quoted back)."""
+    headers = message.headers
+    if "Expect" not in headers:  # also aiohttp's stand-in for what it could not parse
+        return False
+    asked = {
+        member.strip().lower() for field in headers.getall("Expect") for member in field.split(",")
+    } - {""}
+    if asked <= {"100-continue"}:
+        return bool(asked)
+    return ExpectationFailed(
+        "the only expectation this proxy meets is 100-continue; send the request without the others"
+    )
 
 
 def connection_cap(configured: int) -> int:
@@ -308,8 +363,11 @@ class ProxyServer(web.Server):
         self.max_connections = connection_cap(limits.max_connections)
 
     def __call__(self) -> ClientConnection:
+        # aiohttp's own lingering (up to 10 s, unbounded in bytes) is replaced by
+        # ClientConnection's, bounded by LINGER_FOR and LINGER_BYTES.
+        kwargs = {**self._kwargs, "lingering_time": 0.0}
         return ClientConnection(
-            self, loop=self._loop, keepalive_timeout=self.limits.keepalive_timeout, **self._kwargs
+            self, loop=self._loop, keepalive_timeout=self.limits.keepalive_timeout, **kwargs
         )
 
     def _make_request(
@@ -322,13 +380,18 @@ class ProxyServer(web.Server):
     ) -> web.BaseRequest:
         assert isinstance(protocol, ClientConnection)
         protocol.body = payload
+        protocol.owes_continue = False
         refusal: Refusal
         if message.version not in _SPOKEN:
             sent = f"{message.version.major}.{message.version.minor}"
             refusal = VersionNotSupported(
                 f"this proxy speaks HTTP/1.1 and HTTP/1.0, not HTTP/{sent}"
             )
+        elif isinstance(expects := _expectation(message), ExpectationFailed):
+            refusal = expects
         else:
+            # 100-continue in an HTTP/1.0 request is ignored (RFC 9110 §10.1.1).
+            protocol.owes_continue = expects and message.version == HttpVersion11
             if message.upgrade:
                 # Upgrade is not spoken: answered as HTTP/1.1 and closed after, so bytes
                 # sent behind it (another protocol's) are never read as a request.
@@ -385,7 +448,14 @@ class ClientConnection(RequestHandler):
     """One client connection: aiohttp's, plus the head timeout, the cap's bookkeeping
     and problem answers for what the parser refuses."""
 
-    __slots__ = ("_head_deadline", "_head_requests", "_server", "body")
+    __slots__ = (
+        "_head_deadline",
+        "_head_requests",
+        "_lingering",
+        "_server",
+        "body",
+        "owes_continue",
+    )
 
     def __init__(self, manager: ProxyServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -395,6 +465,9 @@ class ClientConnection(RequestHandler):
         self.body: StreamReader | None = None
         """The body of the last request: bytes that come while it is still read (or
         drained after its answer) are not the head of a next request."""
+        self.owes_continue = False
+        """The last request asked for ``100 Continue`` (HTTP/1.1), and has not had it."""
+        self._lingering: StreamReader | None = None
 
     def busy(self) -> bool:
         """Whether the proxy is working for this client: its request is in whole and
@@ -421,7 +494,61 @@ class ClientConnection(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._server.closed(self)
         self._disarm_head_deadline()
+        if self._lingering is not None:  # the client is gone: nothing more to drop
+            self._lingering.set_exception(ConnectionResetError("the client closed"))
         super().connection_lost(exc)
+
+    def send_continue(self) -> None:
+        """``100 Continue``, once, to a client waiting for it before it sends its body;
+        nothing when it asked for none, or has begun sending its body anyway."""
+        if not self.owes_continue:
+            return
+        self.owes_continue = False
+        body = self.body
+        if body is None or body.is_eof() or body.total_bytes:
+            return
+        if self.transport is not None and not self.transport.is_closing():
+            # Beside aiohttp's writer, which counts only the final answer's bytes.
+            self.transport.write(_CONTINUE)
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """Send the answer. One given before the request's body was all in says
+        ``Connection: close`` (RFC 9110 §10.1.1): what the client sends behind it,
+        whether the body or, from a client that was waiting for ``100 Continue``, its
+        next request, is never read as a request. The connection then lingers, a
+        little, and is closed."""
+        payload = request.content
+        unread = not payload.is_eof()
+        if unread:
+            resp.force_close()
+        answered = await super().finish_response(request, resp, start_time)
+        if unread and not answered[1]:
+            await self._linger(payload)
+        return answered
+
+    async def _linger(self, payload: StreamReader) -> None:
+        """After an answer given before the body was in: end the answer with our side's
+        FIN, then read and drop what the client still sends, until it closes, for
+        ``LINGER_FOR`` at most and ``LINGER_BYTES`` at most, so that a client still
+        sending is not reset before it has read the answer. Not being worked for,
+        the connection may be taken back by the cap meanwhile."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._lingering = payload
+        dropped = 0
+        try:
+            async with asyncio.timeout(LINGER_FOR):
+                while dropped < LINGER_BYTES and (chunk := await payload.readany()):
+                    dropped += len(chunk)
+        except (TimeoutError, OSError, HttpProcessingError):
+            pass  # gone quiet, gone, or its framing broke: closed all the same
+        finally:
+            self._lingering = None
 
     def data_received(self, data: bytes) -> None:
         self._server.touched(self)

@@ -18,6 +18,7 @@
         ├── RequestHeadTooLarge      431  the request line or a header too long, or too many
         ├── HeaderTimeout            408  the request head did not arrive in time
         ├── BodyTimeout              408  the body stopped arriving for too long
+        ├── ExpectationFailed        417  an Expect field asking for more than 100-continue
         ├── ClientClosedRequest      499  the client went away before its body was in
         ├── VersionNotSupported      505  a request line of another HTTP than 1.0 and 1.1
         ├── ProxyBusy                503  too many connections, or bodies held in memory
@@ -77,6 +78,7 @@ __all__ = [
     "DuplicateNotStored",
     "DuplicateOutcomeUnknown",
     "DuplicateRejected",
+    "ExpectationFailed",
     "FenceProxyError",
     "FencingHeaderMalformed",
     "FencingHeaderMissing",
@@ -257,6 +259,10 @@ class HeaderTimeout(Refusal):
 
 class BodyTimeout(Refusal):
     slug, status, title = "body-timeout", 408, "Request body stopped arriving"
+
+
+class ExpectationFailed(Refusal):
+    slug, status, title = "expectation-failed", 417, "Expectation not met"
 
 
 class ClientClosedRequest(Refusal):

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient
 
-from fenceproxy.edge import log_accept_errors
+from fenceproxy.edge import LINGER_FOR, log_accept_errors
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port, status
 
 from .conftest import ProxyFactory, fenced, raw_request
@@ -285,24 +286,242 @@ async def test_a_client_that_does_not_read_its_answer_is_cut_after_the_send_time
     assert got < LONG_ANSWER  # cut short: the proxy closed the connection
 
 
-async def test_a_body_drained_after_its_answer_is_not_taken_for_a_slow_head(
+async def test_an_answer_before_the_body_closes_and_reads_nothing_behind_it(
     strict: Client, upstream: RecordingUpstream
 ) -> None:
-    """A write refused before its body was read: the body that follows is drained, and
-    the connection stays open for the next request, with no 408 it did not ask for."""
+    """A write refused before its body was read says ``Connection: close`` and the
+    proxy closes its side at once: the body sent after the answer, and a request
+    behind it, are never read as a request, and no 408 follows either."""
     head = b"POST /billing/x HTTP/1.1\r\nHost: a\r\nFencing-Job: j\r\nContent-Length: 100\r\n\r\n"
     reader, writer = await open_raw(strict.port, head)
-    refused = await reader.readuntil(b"}")
-    assert refused.startswith(b"HTTP/1.1 428 "), refused
-    writer.write(b"x" * 100)
-    await asyncio.sleep(0.6)  # twice the head timeout
-    writer.write(
-        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
-    )
-    second = await reader.readuntil(b'"/billing/x"}')
+    async with asyncio.timeout(5):
+        refused = await reader.readuntil(b"}")
+        writer.write(b"x" * 100 + WRITE)
+        behind = await reader.read()  # the proxy's side is closed: EOF
     writer.close()
-    assert second.startswith(b"HTTP/1.1 200 "), second
-    assert len(upstream.received) == 1
+    assert refused.startswith(b"HTTP/1.1 428 "), refused
+    assert b"\r\nConnection: close\r\n" in refused
+    assert behind == b""
+    assert upstream.received == []
+
+
+# -- Expect: 100-continue ----------------------------------------------------------------
+
+WRITE = b"PUT /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def expecting(path: str, length: int, fields: bytes = b"", method: str = "PUT") -> bytes:
+    """The head of a request that waits for 100 Continue before sending its body."""
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: a\r\nContent-Length: {length}\r\n".encode()
+        + fields + b"Expect: 100-continue\r\n\r\n"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [2 * 1024, 1024 * 1024], ids=["2KiB", "1MiB"])
+@pytest.mark.parametrize(
+    ("path", "fields"), [("/files/x", b""), ("/billing/x", FENCE)], ids=["pass-through", "fenced"]
+)
+async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body(
+    strict: Client, upstream: RecordingUpstream, path: str, fields: bytes, size: int
+) -> None:
+    """The 100 comes with nothing of the body sent (a client waits for it: botocore a
+    second, curl a second above 1 KiB); then the body, the answer, and the
+    connection goes on. ``Expect`` never reaches the upstream."""
+    body = b"b" * size
+    reader, writer = await open_raw(strict.port, expecting(path, len(body), fields))
+    async with asyncio.timeout(5):
+        interim = await reader.readuntil(b"\r\n\r\n")  # before any byte of the body
+        assert interim == CONTINUE
+        writer.write(body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status, length = head.split(b" ", 2)[1], _content_length(head)
+        await reader.readexactly(length)
+        writer.write(WRITE)  # the connection goes on
+        again = await reader.readuntil(b"\r\n\r\n")
+    writer.close()
+    assert status == b"200", head
+    assert CONTINUE not in head + again
+    assert again.startswith(b"HTTP/1.1 200 "), again
+    assert [len(r.body) for r in upstream.received] == [size, 2]
+    assert all("Expect" not in r.headers for r in upstream.received)
+
+
+async def test_a_lease_call_that_expects_100_continue_gets_it(start_proxy: ProxyFactory) -> None:
+    proxy = await start_proxy(leases={})
+    body = json.dumps({"owner": "w", "ttl": 30}).encode()
+    head = expecting("/_leases/j/claim", len(body), method="POST")
+    reader, writer = await open_raw(proxy.port, head)
+    async with asyncio.timeout(5):
+        interim = await reader.readuntil(b"\r\n\r\n")
+        writer.write(body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        claimed = json.loads(await reader.readexactly(_content_length(head)))
+    writer.close()
+    assert interim == CONTINUE
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert claimed["generation"] == 1
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    raise AssertionError(head)
+
+
+EARLY = {
+    "fencing header missing": ("/billing/x", 100, b"Fencing-Job: j\r\n", 428),
+    "fenced, above max_body": ("/billing/x", 64 * 1024, FENCE, 413),
+    "pass-through, above max_body": ("/files/x", 64 * 1024, b"", 413),
+    "no route": ("/nowhere/x", 100, b"", 404),
+}
+
+
+@pytest.mark.parametrize(("path", "length", "fields", "code"), EARLY.values(), ids=EARLY)
+async def test_a_refusal_before_the_body_of_an_expect_request_closes_the_connection(
+    start_proxy: ProxyFactory,
+    upstream: RecordingUpstream,
+    path: str,
+    length: int,
+    fields: bytes,
+    code: int,
+) -> None:
+    """No 100: the final answer, with ``Connection: close``, and the proxy's side
+    closed at once. The client, which never sends the body, sends its next request:
+    it is not read as the body nor as a request (it would have been 400 ``Invalid
+    method``, or a stall while the body was waited for)."""
+    routes = [
+        {"name": "billing", "path": "/billing/", "upstream": upstream.url, "max_body": "32KiB"},
+        {"name": "files", "path": "/files/", "upstream": upstream.url, "fence": False,
+         "max_body": "32KiB"},
+    ]  # fmt: skip
+    proxy = await start_proxy(routes)
+    reader, writer = await open_raw(proxy.port, expecting(path, length, fields))
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        answer = await reader.readexactly(_content_length(head))
+        writer.write(WRITE)
+        behind = await reader.read()  # EOF: the proxy closed its side
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 %d " % code), head
+    assert b"\r\nConnection: close\r\n" in head
+    assert json.loads(answer)["status"] == code  # a problem
+    assert behind == b""
+    assert upstream.received == []
+    assert (await fenced(proxy, "j", 1)).status == 200  # and the proxy goes on
+
+
+@pytest.mark.parametrize(
+    "expect", [b"200-ok", b"100-continue, x-also", b"100-continue\r\nExpect: nope"]
+)
+async def test_any_expectation_but_100_continue_is_417(
+    proxy: Client, upstream: RecordingUpstream, expect: bytes
+) -> None:
+    data = (
+        b"PUT /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Expect: " + expect
+        + b"\r\nContent-Length: 2\r\n\r\n{}"
+    )  # fmt: skip
+    async with asyncio.timeout(5):
+        raw = await raw_request(proxy.port, data)
+    status, problem = answer_of(raw)
+    assert (status, kind(problem)) == (417, "expectation-failed")
+    assert b"x-also" not in raw  # never quoted back
+    assert b"nope" not in raw
+    assert upstream.received == []
+
+
+async def test_100_continue_in_an_http_10_request_is_ignored(
+    proxy: Client, upstream: RecordingUpstream
+) -> None:
+    """RFC 9110 §10.1.1: such a client sends its body without waiting."""
+    data = (
+        b"PUT /billing/x HTTP/1.0\r\nHost: a\r\n" + FENCE
+        + b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n{}"
+    )  # fmt: skip
+    async with asyncio.timeout(5):
+        raw = await raw_request(proxy.port, data)
+    assert raw.startswith(b"HTTP/1.0 200 "), raw
+    assert CONTINUE not in raw
+    assert [r.body for r in upstream.received] == [b"{}"]
+
+
+CURL = shutil.which("curl")
+
+
+async def curl(*args: str) -> tuple[str, str]:
+    """curl's ``-w`` output and its ``-v`` trace. With ``--expect100-timeout 30`` a
+    proxy that never sends 100 Continue holds curl beyond the test's deadline."""
+    if CURL is None:
+        if os.environ.get("CI"):
+            pytest.fail("curl is not installed, and CI must run every test")
+        pytest.skip("curl is not installed")
+    process = await asyncio.create_subprocess_exec(
+        CURL, "-sS", "-v", "--expect100-timeout", "30", "-H", "Expect: 100-continue",
+        "-o", "/dev/null", "-w", "%{http_code} %{size_upload}", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(20):
+        out, err = await process.communicate()
+    return out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("size", [2 * 1024, 1024 * 1024], ids=["2KiB", "1MiB"])
+@pytest.mark.parametrize("path", ["/files/x", "/billing/x"], ids=["pass-through", "fenced"])
+async def test_curl_uploads_through_the_proxy_get_100_continue(
+    strict: Client, upstream: RecordingUpstream, tmp_path: Path, path: str, size: int
+) -> None:
+    body = tmp_path / "body"
+    body.write_bytes(b"c" * size)
+    url = f"http://127.0.0.1:{strict.port}{path}"
+    out, trace = await curl("-T", str(body), "-H", "Fencing-Job: j", "-H", "Fencing-Token: 1", url)
+    assert out == f"200 {size}", trace
+    assert "< HTTP/1.1 100 Continue" in trace
+    assert [len(r.body) for r in upstream.received] == [size]
+
+
+async def test_curl_refused_before_its_body_sends_none_and_is_told_to_close(
+    strict: Client, upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    body = tmp_path / "body"
+    body.write_bytes(b"c" * 4096)
+    url = f"http://127.0.0.1:{strict.port}/billing/x"
+    out, trace = await curl("-T", str(body), "-H", "Fencing-Job: j", url)
+    assert out == "428 0", trace
+    assert "< Connection: close" in trace
+    assert "100 Continue" not in trace
+    assert upstream.received == []
+
+
+REFUSED_MID_BODY = {
+    "408": (b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+            + b"Content-Length: 100\r\n\r\n" + b"x" * 10, 408),
+    "408 after 100 Continue": (expecting("/billing/x", 100, FENCE), 408),
+    "503": (b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+            + b"Content-Length: 100000\r\n\r\n" + b"x" * 80000, 503),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("data", "code"), REFUSED_MID_BODY.values(), ids=REFUSED_MID_BODY)
+async def test_a_connection_refused_mid_body_is_gone_soon_even_if_the_client_stays(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, data: bytes, code: int
+) -> None:
+    """The answer ends with the proxy's FIN; the connection lingers at most
+    ``LINGER_FOR`` for the client to close (aiohttp's own lingering held it, and its
+    slot under the connection cap, for 10 s), then the proxy closes it."""
+    proxy = await start_proxy(limits={"body_timeout": "300ms", "max_buffered": "64KiB"})
+    server = proxy.server.runner.server  # type: ignore[union-attr]
+    reader, writer = await open_raw(proxy.port, data)
+    async with asyncio.timeout(5):
+        raw = await reader.read()  # EOF right after the answer; the client stays
+    await eventually(lambda: server.open_connections == 0, within=LINGER_FOR + 2)
+    writer.close()
+    status, problem = answer_of(raw.removeprefix(CONTINUE))
+    assert (status, kind(problem)) == (code, "body-timeout" if code == 408 else "proxy-busy")
+    assert b"\r\nConnection: close\r\n" in raw
+    assert upstream.received == []
 
 
 # -- clients that leave, floods ---------------------------------------------------------
