@@ -41,7 +41,8 @@ connection is closed: nothing sent behind it is read as a request.
 
 This module subclasses aiohttp's ``RequestHandler`` and reads some of its internal
 state (``_request_in_progress``, ``_current_request``, ``_messages``,
-``_request_count``), which is why aiohttp is pinned below its next minor version.
+``_request_count``, and a payload's ``_buffer``, emptied of a body nobody reads),
+which is why aiohttp is pinned below its next minor version.
 """
 
 from __future__ import annotations
@@ -285,6 +286,17 @@ def _go_on(request: web.BaseRequest, limit: int) -> None:
         protocol.send_continue()
 
 
+def _drop(payload: StreamReader) -> None:
+    """Free what a client sent of a body nobody will read, now. The request and its
+    handler's task refer to each other, so left to them the bytes would stay until
+    the cycle collector happens to run: 150 uploads refused mid-body kept 110 MiB
+    resident until then."""
+    # Cleared by hand: read_nowait() refuses once the payload has failed, and the
+    # parser goes on appending to a failed payload until the socket is closed.
+    payload._buffer.clear()
+    payload._size = 0
+
+
 def check_body_size(size: int, limit: int) -> None:
     """BodyTooLarge when ``size`` bytes are above ``limit``."""
     if size > limit:
@@ -444,6 +456,26 @@ class ProxyServer(web.Server):
         return len(self._open)
 
 
+class _Lingering:
+    """A connection that answered before its request's body was in, dropping what the
+    client still sends: done once the client closes or ``LINGER_BYTES`` came."""
+
+    __slots__ = ("_dropped", "_left")
+
+    def __init__(self, left: asyncio.Future[None]) -> None:
+        self._left = left
+        self._dropped = 0
+
+    def drop(self, size: int) -> None:
+        self._dropped += size
+        if self._dropped >= LINGER_BYTES:
+            self.end()
+
+    def end(self) -> None:
+        if not self._left.done():
+            self._left.set_result(None)
+
+
 class ClientConnection(RequestHandler):
     """One client connection: aiohttp's, plus the head timeout, the cap's bookkeeping
     and problem answers for what the parser refuses."""
@@ -467,7 +499,7 @@ class ClientConnection(RequestHandler):
         drained after its answer) are not the head of a next request."""
         self.owes_continue = False
         """The last request asked for ``100 Continue`` (HTTP/1.1), and has not had it."""
-        self._lingering: StreamReader | None = None
+        self._lingering: _Lingering | None = None
 
     def busy(self) -> bool:
         """Whether the proxy is working for this client: its request is in whole and
@@ -495,7 +527,9 @@ class ClientConnection(RequestHandler):
         self._server.closed(self)
         self._disarm_head_deadline()
         if self._lingering is not None:  # the client is gone: nothing more to drop
-            self._lingering.set_exception(ConnectionResetError("the client closed"))
+            self._lingering.end()
+        if self.body is not None:
+            _drop(self.body)
         super().connection_lost(exc)
 
     def send_continue(self) -> None:
@@ -524,33 +558,39 @@ class ClientConnection(RequestHandler):
         if unread:
             resp.force_close()
         answered = await super().finish_response(request, resp, start_time)
-        if unread and not answered[1]:
-            await self._linger(payload)
+        if unread:
+            if not answered[1]:
+                await self._linger(payload)
+            _drop(payload)
         return answered
 
     async def _linger(self, payload: StreamReader) -> None:
         """After an answer given before the body was in: end the answer with our side's
-        FIN, then read and drop what the client still sends, until it closes, for
-        ``LINGER_FOR`` at most and ``LINGER_BYTES`` at most, so that a client still
-        sending is not reset before it has read the answer. Not being worked for,
-        the connection may be taken back by the cap meanwhile."""
+        FIN, then drop what the client still sends, below the parser, until it
+        closes, for ``LINGER_FOR`` at most and ``LINGER_BYTES`` at most, so that a
+        client still sending is not reset before it has read the answer. Not being
+        worked for, the connection may be taken back by the cap meanwhile."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         if transport.can_write_eof():
             transport.write_eof()
-        self._lingering = payload
-        dropped = 0
+        _drop(payload)
+        left = self._loop.create_future()
+        self._lingering = _Lingering(left)
+        transport.resume_reading()  # the payload may have paused it, full
         try:
             async with asyncio.timeout(LINGER_FOR):
-                while dropped < LINGER_BYTES and (chunk := await payload.readany()):
-                    dropped += len(chunk)
-        except (TimeoutError, OSError, HttpProcessingError):
-            pass  # gone quiet, gone, or its framing broke: closed all the same
+                await left
+        except TimeoutError:
+            pass  # gone quiet: closed all the same
         finally:
             self._lingering = None
 
     def data_received(self, data: bytes) -> None:
+        if (lingering := self._lingering) is not None:
+            lingering.drop(len(data))  # never parsed, never buffered
+            return
         self._server.touched(self)
         if (
             data  # aiohttp calls this with nothing, to parse what it held back
