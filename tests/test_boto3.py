@@ -28,19 +28,10 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from fenceproxy.client import Grant, LeaseLost, SyncLeaseClient
-from fenceproxy.config import parse_config
-from fenceproxy.errors import ConfigError
 from fenceproxy.testing import ProxyProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from fenced_boto3 import FenceRefused, fence_writes
-
-# The route keys S3 needs, each a switch until the proxy takes it: `host: preserve`
-# (SigV4 signs the Host the client sent, which the proxy replaces by the upstream's
-# today) and `paths: exact` (S3 keys are opaque: the proxy makes paths canonical).
-# Turn one on once the proxy takes its key: test_the_route_keys_s3_needs says when.
-HOST_PRESERVE = False
-PATHS_EXACT = False
 
 pytestmark = pytest.mark.slow  # moto's server and a proxy, each a process
 
@@ -52,7 +43,6 @@ FENCE_HEADERS = ("fencing-job", "fencing-token", "idempotency-key")
 class Moto:
     url: str
     credentials: dict[str, str]
-    verifies_signatures: bool
 
     def client(self, url: str | None = None) -> Any:
         """An S3 client, path-style, straight to moto or (``url``) through the proxy."""
@@ -63,10 +53,10 @@ class Moto:
 
 @pytest.fixture(scope="module")
 def moto() -> Iterator[Moto]:
-    """moto's S3 server in a process of its own; it checks every request's SigV4
-    signature once the proxy keeps the client's Host."""
+    """moto's S3 server in a process of its own, checking every request's SigV4
+    signature (after the three calls that create its IAM user)."""
     port = free_port()
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"} if HOST_PRESERVE else None
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -83,17 +73,17 @@ def moto() -> Iterator[Moto]:
                 assert time.monotonic() < deadline, "moto's server did not start"
                 time.sleep(0.05)
         credentials = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-        if HOST_PRESERVE:  # the three actions taken without credentials: a real IAM user
-            iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", **credentials)
-            iam.create_user(UserName="worker")
-            iam.put_user_policy(UserName="worker", PolicyName="s3", PolicyDocument=(
-                '{"Version": "2012-10-17", "Statement": '
-                '[{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
-            ))  # fmt: skip
-            key = iam.create_access_key(UserName="worker")["AccessKey"]
-            credentials = {"aws_access_key_id": key["AccessKeyId"],
-                           "aws_secret_access_key": key["SecretAccessKey"]}  # fmt: skip
-        yield Moto(url, credentials, HOST_PRESERVE)
+        # The three calls taken without credentials: a real IAM user and its key.
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", **credentials)
+        iam.create_user(UserName="worker")
+        iam.put_user_policy(UserName="worker", PolicyName="s3", PolicyDocument=(
+            '{"Version": "2012-10-17", "Statement": '
+            '[{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
+        ))  # fmt: skip
+        key = iam.create_access_key(UserName="worker")["AccessKey"]
+        credentials = {"aws_access_key_id": key["AccessKeyId"],
+                       "aws_secret_access_key": key["SecretAccessKey"]}  # fmt: skip
+        yield Moto(url, credentials)
     finally:
         server.kill()
         server.wait()
@@ -101,13 +91,8 @@ def moto() -> Iterator[Moto]:
 
 def route(bucket: str, upstream: str) -> dict[str, Any]:
     """The route the recipe's docstring describes, for one bucket."""
-    spec: dict[str, Any] = {"name": bucket, "path": f"/{bucket}", "upstream": upstream,
-                            "max_body": "16MiB"}  # fmt: skip
-    if HOST_PRESERVE:
-        spec["host"] = "preserve"
-    if PATHS_EXACT:
-        spec["paths"] = "exact"
-    return spec
+    return {"name": bucket, "path": f"/{bucket}", "upstream": upstream, "max_body": "16MiB",
+            "host": "preserve", "paths": "exact"}  # fmt: skip
 
 
 @dataclass
@@ -322,9 +307,7 @@ async def test_reads_pass_unfenced_and_a_lost_lease_stops_writes(setup: Setup) -
     assert body(setup.s3, setup.bucket, "seen.csv") == b"there"
 
 
-@pytest.mark.skipif(not HOST_PRESERVE, reason="needs the proxy's host: preserve")
 async def test_s3_verifies_the_signature_of_the_fenced_write(setup: Setup) -> None:
-    assert setup.moto.verifies_signatures
     grant = setup.leases.claim("report-5", "worker-a")
     client, _ = setup.fenced(held(grant))
     client.put_object(Bucket=setup.bucket, Key="signed.csv", Body=b"signed")
@@ -339,7 +322,6 @@ async def test_s3_verifies_the_signature_of_the_fenced_write(setup: Setup) -> No
     assert body(setup.s3, setup.bucket, "signed.csv") == b"signed"
 
 
-@pytest.mark.skipif(not PATHS_EXACT, reason="needs the proxy's paths: exact")
 async def test_an_opaque_key_is_stored_as_sent(setup: Setup) -> None:
     grant = setup.leases.claim("report-6", "worker-a")
     client, _ = setup.fenced(held(grant))
@@ -348,20 +330,3 @@ async def test_an_opaque_key_is_stored_as_sent(setup: Setup) -> None:
     assert body(setup.s3, setup.bucket, key) == b"opaque"
     listed = setup.s3.list_objects_v2(Bucket=setup.bucket)["Contents"]
     assert [o["Key"] for o in listed] == [key]
-
-
-ROUTE_KEYS = [("host", "preserve", HOST_PRESERVE), ("paths", "exact", PATHS_EXACT)]
-
-
-@pytest.mark.parametrize(("key", "value", "taken"), ROUTE_KEYS)
-def test_the_route_keys_s3_needs(key: str, value: str, taken: bool) -> None:
-    """Each switch above says whether the proxy takes its key: once it does, turn
-    the switch on, and the tests above run with it."""
-    spec = {"name": "reports", "path": "/reports", "upstream": "http://127.0.0.1:9000",
-            key: value}  # fmt: skip
-    config = {"store": "sqlite:///f.db", "routes": [spec]}
-    if taken:
-        parse_config(config, "test.yaml")
-    else:
-        with pytest.raises(ConfigError, match=key):
-            parse_config(config, "test.yaml")
