@@ -68,7 +68,7 @@ from .fencing import (
     Replay,
     StoredResponse,
     decide,
-    fingerprint,
+    fingerprint_digest,
     parse_job,
     parse_key,
     parse_method_override,
@@ -296,7 +296,8 @@ class Proxy:
         keep = fence.fields if fence is not None and mark is not None else frozenset()
         headers = forwarded_headers(request, self._trusted, length, keep=keep)
         if isinstance(body, HeldBody):
-            upstream = await self._upstreams.send(route, request.method, target, headers, body.data)
+            payload = body.payload()
+            upstream = await self._upstreams.send(route, request.method, target, headers, payload)
             body.release()  # the upstream has it
         else:
             upstream = await self._upstreams.send(route, request.method, target, headers, body)
@@ -321,7 +322,7 @@ class Proxy:
         if held is None:  # refused on its headers: the body is still unread
             response = await self._pass_through(request, route, target, mark)
         else:
-            response = await self._send(request, route, target, len(held.data), held, mark)
+            response = await self._send(request, route, target, held.size, held, mark)
         response[_DECISION] = "would-replay" if kind == "replayed" else f"would-{kind}"
         return response
 
@@ -347,11 +348,14 @@ class Proxy:
             if fence.report and refusal.slug in WOULD_REFUSE:
                 return await self._report(request, route, target, None, refusal.slug)
             raise
-        held = await self._bodies.read(request, route.max_body)
+        # Hashed as it arrives: a body kept on disk is not read twice.
+        digest = None if write.key is None else fingerprint_digest(request.method, target, override)
+        held = await self._bodies.read(request, route.max_body, spill=True, digest=digest)
         try:
-            if write.key is not None:
-                fp = fingerprint(request.method, target, held.data, override)
-                write = dataclasses.replace(write, fingerprint=fp)
+            if digest is not None:
+                write = dataclasses.replace(write, fingerprint=digest.digest())
+            if held.file is not None:  # sent from its file, framed as a buffered body is
+                headers[istr("Content-Length")] = str(held.size)
             try:
                 if write.key is None:
                     response = await self._forward_fenced(
@@ -501,7 +505,7 @@ class Proxy:
                     with self._metrics.in_flight.track_inprogress():
                         async with asyncio.timeout(_in_flight_for(route)):
                             upstream = await self._upstreams.send(
-                                route, request.method, target, headers, body.data
+                                route, request.method, target, headers, body.payload()
                             )
                     body.release()  # the upstream has it
                 except TimeoutError:
