@@ -83,7 +83,8 @@ class SpoolFolder:
         folder of this user's that no one else may write to; ValueError saying what
         is wrong otherwise (OSError's message included)."""
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # checked below, whatever it is
+                os.makedirs(self.path, mode=0o700)
             info = os.lstat(self.path)
         except OSError as exc:
             raise ValueError(f"cannot make the folder {self.path}: {exc.strerror}") from None
