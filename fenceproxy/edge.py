@@ -8,7 +8,9 @@ What a client may hold of the proxy (``limits:`` in the config, nginx's defaults
 * **a body** may pause at most ``body_timeout`` between two reads: 408;
 * **bodies held in memory** (a fenced write's, read whole before its turn; a lease
   call's; a small unfenced one's) are counted across every request, and a body that
-  would take the total above ``max_buffered`` gets 503 with ``Retry-After``;
+  would take the total above ``max_buffered`` gets 503 with ``Retry-After``; a fenced
+  write's body beyond ``body_buffer`` goes to a file as it arrives
+  (:mod:`fenceproxy.spool`), and only what waits to be written counts;
 * **open connections** are capped at ``max_connections``, lowered at start to fit
   the descriptor limit (each may need an upstream connection too). A connection
   beyond the cap closes the least recently active one that the proxy is not working

@@ -373,7 +373,7 @@ def test_bad_body_settings_name_the_file_and_key(
     assert says in line, line
 
 
-def test_a_folder_others_may_write_to_is_refused(tmp_path: Path) -> None:
+def test_a_folder_others_may_write_to_or_a_link_is_refused(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
@@ -381,6 +381,12 @@ def test_a_folder_others_may_write_to_is_refused(tmp_path: Path) -> None:
         load_config(write(tmp_path, {"body_temp_path": "shared"}))
     assert "limits.body_temp_path: " in str(caught.value)
     assert "may be written by other users" in str(caught.value)
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, {"body_temp_path": "link"}))
+    assert "limits.body_temp_path: " in str(caught.value)
+    assert "is not a folder (a link or a file)" in str(caught.value)
+    assert not (tmp_path / "elsewhere").exists()  # nothing made through the link
 
 
 def test_a_relative_folder_is_the_config_files_and_is_made_private(
