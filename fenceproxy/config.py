@@ -764,16 +764,15 @@ def load_config(
     if config.leases is not None:
         clients = _absolute_files(config.leases.clients, folder)
         update["leases"] = config.leases.model_copy(update={"clients": clients})
-    temp_path = config.limits.body_temp_path
-    if temp_path is not None and not os.path.isabs(temp_path):
-        limits = config.limits.model_copy(update={"body_temp_path": str(folder / temp_path)})
-        update["limits"] = limits
+    # The folder in full, the default's too: what a reload compares and keeps.
+    temp_path = str(folder / (config.limits.body_temp_path or default_folder()))
+    update["limits"] = config.limits.model_copy(update={"body_temp_path": temp_path})
     config = config.model_copy(update=update)
     # Every secret present and well-formed, now; the folder for bodies usable.
     signing_keys(config.signing, source)
     lease_credentials(config.leases, source)
     try:
-        SpoolFolder(config.limits.body_temp_path or default_folder()).prepare()
+        SpoolFolder(temp_path).prepare()
     except ValueError as exc:
         raise ConfigError(source, [("limits.body_temp_path", str(exc))]) from None
     return config

@@ -355,9 +355,7 @@ async def test_uploads_held_open_one_byte_short_keep_memory_bounded(
     the body timeout cuts those it holds. Its memory grows by the cap plus what each
     connection buffers while it streams (measured: about 0.8 MiB at full speed), and
     goes back down once they are gone."""
-    config = write_config(
-        tmp_path, upstream, max_buffered="16MiB", body_timeout="2s", body_buffer="4MiB"
-    )
+    config = write_config(tmp_path, upstream, max_buffered="16MiB", body_timeout="2s")
     proxy = ProxyProcess(config, free_port())
     size = 4 * 1024 * 1024
     try:
