@@ -43,6 +43,7 @@ from .log import configure_logging, proxy_log, server_log
 from .metrics import Metrics
 from .proxy import Proxy, ProxySettings
 from .routes import Router
+from .spool import SpoolFolder, default_folder
 from .store import Store, open_store
 from .upstream import TrustedProxies, UpstreamPool
 
@@ -51,7 +52,14 @@ __all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 # Limits of the request head; a request beyond them is refused by the server with 4xx.
 _SERVER_LIMITS: dict[str, Any] = {"max_headers": 100}
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-RESTART_ONLY = ("listen", "admin", "store", "idempotency.ttl", "shutdown_timeout")
+RESTART_ONLY = (
+    "listen",
+    "admin",
+    "store",
+    "idempotency.ttl",
+    "shutdown_timeout",
+    "limits.body_temp_path",
+)
 """What a reload cannot change: where it listens, what it keeps its state in."""
 
 
@@ -74,7 +82,12 @@ class FenceProxy:
     ) -> None:
         self._given_store = store
         self._clock = clock
-        self._bodies = Bodies(config.limits.max_buffered, config.limits.body_timeout)
+        self._bodies = Bodies(
+            config.limits.max_buffered,
+            config.limits.body_timeout,
+            in_memory=config.limits.body_buffer,
+            spool=SpoolFolder(config.limits.body_temp_path or default_folder()),
+        )
         self.metrics = Metrics()
         """What this proxy counts, served by the admin listener (:mod:`fenceproxy.admin`)."""
         self._store: Store | None = None
@@ -126,6 +139,7 @@ class FenceProxy:
         self._lease_prefix = config.leases.prefix if config.leases is not None else None
         self._bodies.cap = config.limits.max_buffered
         self._bodies.timeout = config.limits.body_timeout
+        self._bodies.in_memory = config.limits.body_buffer
         if self._store is not None:
             self._bind(self._store)
         if self._server is not None:
@@ -157,6 +171,23 @@ class FenceProxy:
             self._upstreams.update(self._router)
             self._proxy.reconfigure(self._router, settings)
 
+    def _prepare_spool(self) -> None:
+        """Make the folder of bodies kept on disk, and remove what a killed proxy left
+        in it; ConfigError naming ``limits.body_temp_path`` when it cannot be used."""
+        spool = self._bodies.spool
+        assert spool is not None
+        try:
+            spool.prepare()
+        except ValueError as exc:
+            raise ConfigError("config", [("limits.body_temp_path", str(exc))]) from None
+        removed = spool.sweep()
+        if removed:
+            server_log.info(
+                "removed %d request body file(s) left in %s by a proxy that stopped",
+                len(removed),
+                spool.path,
+            )
+
     @property
     def store(self) -> Store:
         assert self._store is not None, "the proxy is not open"
@@ -174,6 +205,7 @@ class FenceProxy:
 
     async def __aenter__(self) -> FenceProxy:
         config = self.config
+        self._prepare_spool()
         self._store = self._given_store or await open_store(
             parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=self._clock
         )

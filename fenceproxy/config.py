@@ -42,6 +42,7 @@ from yarl import URL
 from .errors import ConfigError
 from .fencing import DEFAULT_SCOPE_HEADERS
 from .lease_auth import SECRET, LeaseCredentials
+from .spool import SpoolFolder, default_folder
 from .tokens import KEY_ID, SigningKeys, decode_key
 from .units import parse_duration, parse_size
 
@@ -442,7 +443,29 @@ class LimitsSpec(_Model):
     """Open client connections; lowered at start to fit the descriptor limit."""
     max_buffered: Size = 256 * 1024**2
     """Request bodies held in memory at once, every request together: beyond it,
-    503 with Retry-After."""
+    503 with Retry-After. Bodies kept on disk do not count."""
+    body_buffer: Size = 1024 * 1024
+    """A fenced write's body up to this size is held in memory; a larger one is
+    written to a file in ``body_temp_path`` as it arrives, and sent from there."""
+    body_temp_path: str | None = None
+    """The folder of those files (made with mode 0700; relative to the config file's
+    folder); None for ``fenceproxy-bodies-<uid>`` in the system's temporary folder."""
+
+    @field_validator("body_temp_path")
+    @classmethod
+    def _temp_path(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or "\0" in value):
+            raise ValueError("expected the path of a folder")
+        return value
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> LimitsSpec:
+        if self.body_buffer > self.max_buffered:
+            raise ValueError(
+                f"body_buffer ({self.body_buffer} bytes) is above max_buffered "
+                f"({self.max_buffered} bytes): no body of that size could be held"
+            )
+        return self
 
 
 class Config(_Model):
@@ -776,10 +799,17 @@ def load_config(
     if config.leases is not None:
         clients = _absolute_files(config.leases.clients, folder)
         update["leases"] = config.leases.model_copy(update={"clients": clients})
+    # The folder in full, the default's too: what a reload compares and keeps.
+    temp_path = str(folder / (config.limits.body_temp_path or default_folder()))
+    update["limits"] = config.limits.model_copy(update={"body_temp_path": temp_path})
     config = config.model_copy(update=update)
-    # Every secret present and well-formed, now.
+    # Every secret present and well-formed, now; the folder for bodies usable.
     signing_keys(config.signing, source)
     lease_credentials(config.leases, source)
+    try:
+        SpoolFolder(temp_path).prepare()
+    except ValueError as exc:
+        raise ConfigError(source, [("limits.body_temp_path", str(exc))]) from None
     return config
 
 

@@ -8,7 +8,9 @@ What a client may hold of the proxy (``limits:`` in the config, nginx's defaults
 * **a body** may pause at most ``body_timeout`` between two reads: 408;
 * **bodies held in memory** (a fenced write's, read whole before its turn; a lease
   call's; a small unfenced one's) are counted across every request, and a body that
-  would take the total above ``max_buffered`` gets 503 with ``Retry-After``;
+  would take the total above ``max_buffered`` gets 503 with ``Retry-After``; a fenced
+  write's body beyond ``body_buffer`` goes to a file as it arrives
+  (:mod:`fenceproxy.spool`), and only what waits to be written counts;
 * **open connections** are capped at ``max_connections``, lowered at start to fit
   the descriptor limit (each may need an upstream connection too). A connection
   beyond the cap closes the least recently active one that the proxy is not working
@@ -81,7 +83,9 @@ from .errors import (
     RequestTargetMalformed,
     VersionNotSupported,
 )
+from .fencing import Digest
 from .log import server_log
+from .spool import CHUNK, SpoolFile, SpoolFolder, spool_failure
 
 __all__ = [
     "PROBLEM_JSON",
@@ -174,44 +178,117 @@ class _Every:
 
 
 class Bodies:
-    """Request bodies: read whole within the memory shared by every request, or
-    streamed, each bounded by its limit and by the wait between two reads."""
+    """Request bodies: read whole within the memory shared by every request (a fenced
+    write's beyond ``in_memory`` bytes into a file of ``spool`` instead), or streamed,
+    each bounded by its limit and by the wait between two reads."""
 
-    __slots__ = ("cap", "held", "timeout")
+    __slots__ = ("cap", "held", "in_memory", "spool", "timeout")
 
-    def __init__(self, cap: int, timeout: float) -> None:
+    def __init__(
+        self,
+        cap: int,
+        timeout: float,
+        *,
+        in_memory: int = 1024 * 1024,
+        spool: SpoolFolder | None = None,
+    ) -> None:
         self.cap = cap
         self.held = 0
-        """Bytes of bodies read whole and not yet given back."""
+        """Bytes of bodies read whole into memory and not yet given back."""
         self.timeout = timeout
+        self.in_memory = in_memory
+        """The most of one body read whole that stays in memory when it may go to disk."""
+        self.spool = spool
 
-    async def read(self, request: web.BaseRequest, limit: int) -> HeldBody:
+    async def read(
+        self,
+        request: web.BaseRequest,
+        limit: int,
+        *,
+        spill: bool = False,
+        digest: Digest | None = None,
+    ) -> HeldBody:
         """The whole body, up to ``limit`` bytes (BodyTooLarge above). What it holds
-        counts against the cap until it is released (ProxyBusy beyond the cap).
-        A client that waits for ``100 Continue`` gets it here, once its declared
-        length is known to fit."""
+        in memory counts against the cap until it is released (ProxyBusy beyond the
+        cap). With ``spill``, a body beyond ``in_memory`` bytes is written to a file
+        as it arrives, and only what waits to be written counts. ``digest`` is fed
+        the body, once, in order. A client that waits for ``100 Continue`` gets it
+        here, once its declared length is known to fit."""
         _go_on(request, limit)
         content = request.content
+        spill = spill and self.spool is not None
+        pieces: AsyncIterator[bytes]
         if content.is_eof() and content.exception() is None:
             # Arrived whole with the request head, as a small body does: no loop.
             whole = content.read_nowait()
             check_body_size(len(whole), limit)
-            self._take(len(whole))
-            return HeldBody(whole, self)
+            if not (spill and len(whole) > self.in_memory):
+                self._take(len(whole))
+                if digest is not None:
+                    digest.update(whole)
+                return HeldBody(whole, self)
+            pieces = _once(whole)
+        else:
+            pieces = self._chunks(content)
+        declared = request.content_length
+        return await self._gather(pieces, limit, spill and (declared or 0) > self.in_memory,
+                                  spill, digest)  # fmt: skip
+
+    async def _gather(
+        self,
+        source: AsyncIterator[bytes],
+        limit: int,
+        to_file: bool,
+        spill: bool,
+        digest: Digest | None,
+    ) -> HeldBody:
+        """``source`` whole: in memory, or in a file from the start (``to_file``) or
+        from when it grows beyond ``in_memory`` (``spill``)."""
         # Kept as the pieces that came, joined once whole: a buffer grown piece by
         # piece would be copied as it grows and leave the allocator fragmented.
         pieces: list[bytes] = []
         size = 0
+        taken = 0  # of the cap: what is in memory
+        file = self._create() if to_file else None
         try:
-            async for chunk in self._chunks(content):
+            async for chunk in source:
                 check_body_size(size + len(chunk), limit)
                 self._take(len(chunk))
+                taken += len(chunk)
                 pieces.append(chunk)
                 size += len(chunk)
+                if file is None and spill and size > self.in_memory:
+                    file = self._create()
+                if file is not None and taken >= CHUNK:
+                    taken -= await self._flush(file, pieces, digest)
+            if file is not None:
+                taken -= await self._flush(file, pieces, digest)
+                return HeldBody(b"", self, file)
         except BaseException:
-            self.held -= size
+            self.held -= taken
+            if file is not None:
+                file.remove()
             raise
-        return HeldBody(b"".join(pieces), self)
+        whole = b"".join(pieces)
+        if digest is not None:
+            digest.update(whole)
+        return HeldBody(whole, self)
+
+    def _create(self) -> SpoolFile:
+        assert self.spool is not None
+        try:
+            return self.spool.create()
+        except OSError as exc:
+            raise spool_failure(exc, "making its file") from None
+
+    async def _flush(self, file: SpoolFile, pieces: list[bytes], digest: Digest | None) -> int:
+        """Write what is in memory to the file and give its share of the cap back;
+        how much that was."""
+        data = b"".join(pieces)
+        pieces.clear()
+        await file.write(data, digest)
+        self.held -= len(data)
+        return len(data)
 
     async def stream(self, request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:
         """The body as it arrives, stopped above ``limit`` bytes (BodyTooLarge), so an
@@ -260,20 +337,37 @@ class Bodies:
 
 
 class HeldBody:
-    """A body read whole, and its share of the budget until :meth:`release`: as soon
-    as the upstream has it, or when the request ends, whichever comes first."""
+    """A body read whole, in memory (``data``) or in a file (``file``), and its share
+    of the budget until :meth:`release`: as soon as the upstream has it, or when the
+    request ends, whichever comes first. Releasing removes its file."""
 
-    __slots__ = ("_bodies", "data")
+    __slots__ = ("_bodies", "data", "file")
 
-    def __init__(self, data: bytes, bodies: Bodies) -> None:
+    def __init__(self, data: bytes, bodies: Bodies, file: SpoolFile | None = None) -> None:
         self.data = data
+        """The body, when it is in memory; empty when it is in ``file``."""
+        self.file = file
         self._bodies: Bodies | None = bodies
 
+    @property
+    def size(self) -> int:
+        return self.file.size if self.file is not None else len(self.data)
+
+    def payload(self) -> bytes | AsyncIterator[bytes]:
+        """What to send: the bytes, or the file's chunks (the sender states the length)."""
+        return self.data if self.file is None else self.file.chunks()
+
     def release(self) -> None:
-        """Give its share back; again, nothing more."""
+        """Give its share back and remove its file; again, nothing more."""
         if self._bodies is not None:
             self._bodies.held -= len(self.data)
             self._bodies = None
+        if self.file is not None:
+            self.file.remove()
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 def _go_on(request: web.BaseRequest, limit: int) -> None:

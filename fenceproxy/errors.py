@@ -22,6 +22,8 @@
         ├── ClientClosedRequest      499  the client went away before its body was in
         ├── VersionNotSupported      505  a request line of another HTTP than 1.0 and 1.1
         ├── ProxyBusy                503  too many connections, or bodies held in memory
+        ├── InsufficientStorage      507  no room on disk for a request body kept there
+        ├── BodySpoolFailed          503  a request body could not be kept on disk
         ├── InternalError            500  a bug: logged with its traceback
         ├── NoRoute                  404  no route matches the path
         ├── BodyTooLarge             413  body above the route's limit
@@ -70,6 +72,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "PROBLEM_BASE",
+    "BodySpoolFailed",
     "BodyTimeout",
     "BodyTooLarge",
     "ClientClosedRequest",
@@ -84,6 +87,7 @@ __all__ = [
     "FencingHeaderMissing",
     "HeaderTimeout",
     "IdempotencyKeyMalformed",
+    "InsufficientStorage",
     "InternalError",
     "JobCompleted",
     "JobQuarantined",
@@ -277,6 +281,14 @@ class VersionNotSupported(Refusal):
 
 class ProxyBusy(Refusal):
     slug, status, title = "proxy-busy", 503, "The proxy is at one of its limits"
+
+
+class InsufficientStorage(Refusal):
+    slug, status, title = "insufficient-storage", 507, "No room on disk for the request body"
+
+
+class BodySpoolFailed(Refusal):
+    slug, status, title = "body-spool-failed", 503, "The request body could not be kept on disk"
 
 
 class InternalError(Refusal):

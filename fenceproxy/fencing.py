@@ -17,6 +17,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import (
     DuplicateInFlight,
@@ -41,6 +42,7 @@ __all__ = [
     "UNSCOPED",
     "Admit",
     "Busy",
+    "Digest",
     "FencedWrite",
     "KeyRecord",
     "KeyState",
@@ -48,6 +50,7 @@ __all__ = [
     "StoredResponse",
     "decide",
     "fingerprint",
+    "fingerprint_digest",
     "parse_generation",
     "parse_job",
     "parse_key",
@@ -138,11 +141,18 @@ def parse_key(value: str, header: str) -> str:
     return value
 
 
-def fingerprint(method: str, target: str, body: bytes, override: str | None = None) -> bytes:
-    """What makes two requests with one key "the same request": the method (and the
-    method an override names), the canonical path with the query, and the body. The
-    NUL after the target keeps ``/a?x`` + ``yz`` apart from ``/a?xy`` + ``z``: a
-    target never holds one."""
+class Digest(Protocol):
+    """A hash being fed: :func:`hashlib.sha256`'s, as :func:`fingerprint_digest` gives it."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def fingerprint_digest(method: str, target: str, override: str | None = None) -> Digest:
+    """The fingerprint of a request whose body is still to come: feed it the body as
+    it arrives (``update``), in any pieces, and ``digest()`` is what
+    :func:`fingerprint` gives for the whole body at once."""
     digest = hashlib.sha256()
     digest.update(method.encode("ascii"))
     if override is not None:
@@ -150,6 +160,15 @@ def fingerprint(method: str, target: str, body: bytes, override: str | None = No
     digest.update(b"\0")
     digest.update(target.encode("utf-8", "surrogateescape"))
     digest.update(b"\0")
+    return digest
+
+
+def fingerprint(method: str, target: str, body: bytes, override: str | None = None) -> bytes:
+    """What makes two requests with one key "the same request": the method (and the
+    method an override names), the canonical path with the query, and the body. The
+    NUL after the target keeps ``/a?x`` + ``yz`` apart from ``/a?xy`` + ``z``: a
+    target never holds one."""
+    digest = fingerprint_digest(method, target, override)
     digest.update(body)
     return digest.digest()
 

@@ -72,7 +72,7 @@ from .fencing import (
     Replay,
     StoredResponse,
     decide,
-    fingerprint,
+    fingerprint_digest,
     parse_job,
     parse_key,
     parse_method_override,
@@ -301,7 +301,7 @@ class Proxy:
         headers = forwarded_headers(request, self._trusted, length, keep=keep)
         if isinstance(body, HeldBody):
             upstream = await self._upstreams.send(
-                route, request.method, target, headers, body.data, host=_host(request, route)
+                route, request.method, target, headers, body.payload(), host=_host(request, route)
             )
             body.release()  # the upstream has it
         else:
@@ -329,7 +329,7 @@ class Proxy:
         if held is None:  # refused on its headers: the body is still unread
             response = await self._pass_through(request, route, target, mark)
         else:
-            response = await self._send(request, route, target, len(held.data), held, mark)
+            response = await self._send(request, route, target, held.size, held, mark)
         response[_DECISION] = "would-replay" if kind == "replayed" else f"would-{kind}"
         return response
 
@@ -355,11 +355,14 @@ class Proxy:
             if fence.report and refusal.slug in WOULD_REFUSE:
                 return await self._report(request, route, target, None, refusal.slug)
             raise
-        held = await self._bodies.read(request, route.max_body)
+        # Hashed as it arrives: a body kept on disk is not read twice.
+        digest = None if write.key is None else fingerprint_digest(request.method, target, override)
+        held = await self._bodies.read(request, route.max_body, spill=True, digest=digest)
         try:
-            if write.key is not None:
-                fp = fingerprint(request.method, target, held.data, override)
-                write = dataclasses.replace(write, fingerprint=fp)
+            if digest is not None:
+                write = dataclasses.replace(write, fingerprint=digest.digest())
+            if held.file is not None:  # sent from its file, framed as a buffered body is
+                headers[istr("Content-Length")] = str(held.size)
             try:
                 if write.key is None:
                     response = await self._forward_fenced(
@@ -518,7 +521,7 @@ class Proxy:
                                 request.method,
                                 target,
                                 headers,
-                                body.data,
+                                body.payload(),
                                 host=_host(request, route),
                             )
                             body.release()  # the upstream has it

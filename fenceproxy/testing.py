@@ -6,6 +6,8 @@
   any HTTP library reads them, for asserting exactly what the proxy sent.
 * :class:`SlowUpstream`: an upstream that reads request bodies at a fixed rate, as
   an overloaded API does, and applies a request only once its whole body arrived.
+* :class:`DiscardingUpstream`: an upstream that reads each request's body and keeps
+  only its length and SHA-256, for bodies larger than memory.
 * :class:`FakeClock`: a clock tests move by hand instead of sleeping.
 * :class:`ProxyTestServer`: a :class:`~fenceproxy.app.FenceProxy` on loopback, for
   aiohttp's test client (``aiohttp_client(ProxyTestServer(FenceProxy(config)))``).
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import resource
@@ -36,6 +39,8 @@ from .app import FenceProxy
 
 __all__ = [
     "Arrival",
+    "Discarded",
+    "DiscardingUpstream",
     "FakeClock",
     "ProxyProcess",
     "ProxyTestServer",
@@ -251,6 +256,60 @@ class RawUpstream:
 
 
 @dataclass(frozen=True, slots=True)
+class Discarded:
+    """One request as a :class:`DiscardingUpstream` received it: its head, and its
+    body's length and SHA-256 (hex)."""
+
+    head: RawRequest
+    length: int
+    sha256: str
+
+
+class DiscardingUpstream:
+    """An HTTP/1.1 upstream on loopback that reads each request's body, keeps only its
+    length and SHA-256, and answers ``200 {}``. Bodies must come with a
+    ``Content-Length``, as the proxy sends a fenced write's."""
+
+    def __init__(self) -> None:
+        self.received: list[Discarded] = []
+        self.url = ""
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(cls) -> AsyncIterator[DiscardingUpstream]:
+        upstream = cls()
+        server = await asyncio.start_server(upstream._connection, "127.0.0.1", 0)
+        upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            yield upstream
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = RawRequest((await reader.readuntil(b"\r\n\r\n"))[:-4], b"")
+                lengths = head.values("Content-Length")
+                remaining = int(lengths[0]) if lengths else 0
+                digest, length = hashlib.sha256(), 0
+                while remaining:
+                    data = await reader.read(min(remaining, 1024 * 1024))
+                    if not data:
+                        return
+                    digest.update(data)
+                    length += len(data)
+                    remaining -= len(data)
+                self.received.append(Discarded(head, length, digest.hexdigest()))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@dataclass(frozen=True, slots=True)
 class Arrival:
     """A request as :class:`SlowUpstream` saw it end: whole (applied) or cut short."""
 
@@ -433,14 +492,17 @@ class ProxyProcess:
         command: Sequence[str] = (sys.executable, "-m", "fenceproxy"),
         cwd: str | os.PathLike[str] | None = None,
         nofile: int | None = None,
+        fsize: int | None = None,
     ) -> None:
         """``log`` keeps its output in that file (appended); by default a temporary one.
         ``command`` runs the proxy (``serve -c ...`` is appended): another build's, say.
         ``cwd`` is its working directory (by default this process's); ``nofile`` its
-        descriptor limit, soft and hard."""
+        descriptor limit, soft and hard; ``fsize`` the largest file it may write, in
+        bytes (a disk that fills up)."""
         self.port = port
         self._cwd = cwd
         self._nofile = nofile
+        self._fsize = fsize
         self._env = None if env is None else {**os.environ, **env}
         self.url = f"http://127.0.0.1:{port}"
         self.admin_url = f"http://127.0.0.1:{free_port()}"
@@ -457,16 +519,21 @@ class ProxyProcess:
 
     async def start(self, within: float = 20.0) -> ProxyProcess:
         """Start it and wait until it accepts connections; RuntimeError if it exits."""
-        nofile = self._nofile
+        nofile, fsize = self._nofile, self._fsize
+
+        def limits() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+            if fsize is not None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
         self.process = await asyncio.create_subprocess_exec(
             *self._argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self._env,
             cwd=self._cwd,
-            preexec_fn=None
-            if nofile is None
-            else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
+            preexec_fn=None if nofile is None and fsize is None else limits,
         )
         async with asyncio.timeout(within):
             while True:
