@@ -52,19 +52,26 @@ def default_folder() -> str:
     return os.path.join(tempfile.gettempdir(), f"fenceproxy-bodies-{os.getuid()}")
 
 
-def spool_failure(exc: OSError, doing: str) -> Refusal:
+def spool_failure(exc: OSError, doing: str, *, sending: bool = False) -> Refusal:
     """What a disk error while holding a body means to the client: 507 when the disk
-    (or the file size limit) has no room, 503 for anything else. Nothing was sent."""
+    (or the file size limit) has no room, 503 for anything else. Nothing was sent; or,
+    ``sending``, part of the body was, and the upstream connection is reset
+    (:mod:`fenceproxy.http1`), so the upstream never has the whole request."""
     reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+    told = (
+        "the upstream got part of it and its connection was reset, so it never had the "
+        "whole request"
+        if sending
+        else "nothing was forwarded"
+    )
     if exc.errno in _NO_ROOM:
         return InsufficientStorage(
             f"the proxy has no room on disk for this request body ({reason} while {doing}); "
-            "nothing was forwarded",
+            + told,
             retry_after=5.0,
         )
     return BodySpoolFailed(
-        f"the proxy could not keep this request body on disk ({reason} while {doing}); "
-        "nothing was forwarded",
+        f"the proxy could not keep this request body on disk ({reason} while {doing}); " + told,
         retry_after=1.0,
     )
 
@@ -166,9 +173,10 @@ class SpoolFile:
             try:
                 data: bytes = await self._run(os.pread, self.fd, want, offset)
             except OSError as exc:
-                raise spool_failure(exc, "reading it back") from None
+                raise spool_failure(exc, "reading it back", sending=True) from None
             if len(data) != want:
-                raise spool_failure(OSError(errno.EIO, "the file was cut short"), "reading it back")
+                cut = OSError(errno.EIO, "the file was cut short")
+                raise spool_failure(cut, "reading it back", sending=True)
             offset += want
             yield data
 
