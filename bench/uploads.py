@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -44,19 +45,18 @@ CREDENTIALS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
 
 
 @contextmanager
-def upstream_server() -> Iterator[str]:
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(HERE / "upstream.py"), str(port)])
-    url = f"http://127.0.0.1:{port}"
+def started(name: str, command: list[str], url: str, probe: str) -> Iterator[str]:
+    """``command`` running until the block ends, once ``probe`` answers."""
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
         while True:
             try:
-                httpx.get(url, timeout=1)
+                httpx.get(probe, timeout=1)
                 break
             except httpx.TransportError:
                 if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("the upstream did not start") from None
+                    raise SystemExit(f"{name} did not start") from None
                 time.sleep(0.05)
         yield url
     finally:
@@ -64,29 +64,17 @@ def upstream_server() -> Iterator[str]:
         server.wait()
 
 
-@contextmanager
-def moto_server() -> Iterator[str]:
+def upstream_server() -> contextlib.AbstractContextManager[str]:
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                httpx.get(f"{url}/moto-api/", timeout=1)
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("moto's server did not start") from None
-                time.sleep(0.05)
-        yield url
-    finally:
-        server.kill()
-        server.wait()
+    return started("the upstream", [sys.executable, str(HERE / "upstream.py"), str(port)], url, url)
+
+
+def moto_server() -> contextlib.AbstractContextManager[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    return started("moto's server", command, url, f"{url}/moto-api/")
 
 
 def s3(url: str) -> object:

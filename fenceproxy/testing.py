@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from aiohttp import web
 from aiohttp.test_utils import BaseTestServer
@@ -213,18 +213,14 @@ class RawRequest:
         return [v for n, v in self.fields if n.lower() == name.lower()]
 
 
-class RawUpstream:
-    """An HTTP/1.1 upstream on loopback that records each request's bytes as they
-    arrive and answers ``200 {}``, keeping the connection open. It understands only
-    what a proxy sends it: ``Content-Length`` or chunked bodies."""
+class _StreamServer:
+    """An upstream on loopback whose every connection ``_connection`` serves."""
 
-    def __init__(self) -> None:
-        self.received: list[RawRequest] = []
-        self.url = ""
+    url: str
 
     @classmethod
     @asynccontextmanager
-    async def serve(cls) -> AsyncIterator[RawUpstream]:
+    async def serve(cls) -> AsyncIterator[Self]:
         upstream = cls()
         server = await asyncio.start_server(upstream._connection, "127.0.0.1", 0)
         upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -233,6 +229,19 @@ class RawUpstream:
         finally:
             server.close()
             await server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class RawUpstream(_StreamServer):
+    """An HTTP/1.1 upstream on loopback that records each request's bytes as they
+    arrive and answers ``200 {}``, keeping the connection open. It understands only
+    what a proxy sends it: ``Content-Length`` or chunked bodies."""
+
+    def __init__(self) -> None:
+        self.received: list[RawRequest] = []
+        self.url = ""
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -265,7 +274,7 @@ class Discarded:
     sha256: str
 
 
-class DiscardingUpstream:
+class DiscardingUpstream(_StreamServer):
     """An HTTP/1.1 upstream on loopback that reads each request's body, keeps only its
     length and SHA-256, and answers ``200 {}``. Bodies must come with a
     ``Content-Length``, as the proxy sends a fenced write's."""
@@ -273,18 +282,6 @@ class DiscardingUpstream:
     def __init__(self) -> None:
         self.received: list[Discarded] = []
         self.url = ""
-
-    @classmethod
-    @asynccontextmanager
-    async def serve(cls) -> AsyncIterator[DiscardingUpstream]:
-        upstream = cls()
-        server = await asyncio.start_server(upstream._connection, "127.0.0.1", 0)
-        upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        try:
-            yield upstream
-        finally:
-            server.close()
-            await server.wait_closed()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
