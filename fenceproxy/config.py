@@ -446,7 +446,8 @@ class LimitsSpec(_Model):
     503 with Retry-After. Bodies kept on disk do not count."""
     body_buffer: Size = 1024 * 1024
     """A fenced write's body up to this size is held in memory; a larger one is
-    written to a file in ``body_temp_path`` as it arrives, and sent from there."""
+    written to a file in ``body_temp_path`` as it arrives, and sent from there. Left
+    unset, never above ``max_buffered``."""
     body_temp_path: str | None = None
     """The folder of those files (made with mode 0700; relative to the config file's
     folder); None for ``fenceproxy-bodies-<uid>`` in the system's temporary folder."""
@@ -460,6 +461,9 @@ class LimitsSpec(_Model):
 
     @model_validator(mode="after")
     def _buffer_fits(self) -> LimitsSpec:
+        if "body_buffer" not in self.model_fields_set and self.body_buffer > self.max_buffered:
+            # Not asked for: a small max_buffered brings the default down with it.
+            object.__setattr__(self, "body_buffer", self.max_buffered)
         if self.body_buffer > self.max_buffered:
             raise ValueError(
                 f"body_buffer ({self.body_buffer} bytes) is above max_buffered "

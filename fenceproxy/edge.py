@@ -64,7 +64,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpVersion10, HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.http_parser import RawRequestMessage
-from aiohttp.streams import StreamReader
+from aiohttp.streams import EmptyStreamReader, StreamReader
 from aiohttp.web_protocol import RequestHandler
 from yarl import URL
 
@@ -385,6 +385,8 @@ def _drop(payload: StreamReader) -> None:
     handler's task refer to each other, so left to them the bytes would stay until
     the cycle collector happens to run: 150 uploads refused mid-body kept 110 MiB
     resident until then."""
+    if isinstance(payload, EmptyStreamReader):  # a request without a body: shared
+        return
     # Cleared by hand: read_nowait() refuses once the payload has failed, and the
     # parser goes on appending to a failed payload until the socket is closed.
     payload._buffer.clear()
@@ -618,13 +620,15 @@ class ClientConnection(RequestHandler):
         self._arm_head_deadline()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._server.closed(self)
-        self._disarm_head_deadline()
-        if self._lingering is not None:  # the client is gone: nothing more to drop
-            self._lingering.end()
-        if self.body is not None:
-            _drop(self.body)
-        super().connection_lost(exc)
+        try:
+            self._server.closed(self)
+            self._disarm_head_deadline()
+            if self._lingering is not None:  # the client is gone: nothing more to drop
+                self._lingering.end()
+            if self.body is not None:
+                _drop(self.body)
+        finally:
+            super().connection_lost(exc)  # aiohttp's bookkeeping, whatever went before
 
     def send_continue(self) -> None:
         """``100 Continue``, once, to a client waiting for it before it sends its body;

@@ -149,11 +149,17 @@ class Digest(Protocol):
     def digest(self) -> bytes: ...
 
 
-def fingerprint_digest(method: str, target: str, override: str | None = None) -> Digest:
+def fingerprint_digest(
+    method: str, target: str, override: str | None = None, host: str | None = None
+) -> Digest:
     """The fingerprint of a request whose body is still to come: feed it the body as
     it arrives (``update``), in any pieces, and ``digest()`` is what
-    :func:`fingerprint` gives for the whole body at once."""
+    :func:`fingerprint` gives for the whole body at once. ``host`` is the ``Host``
+    forwarded on a route that preserves it, where it names the resource as much as
+    the path does; it never holds ``/``, which every target starts with."""
     digest = hashlib.sha256()
+    if host is not None:
+        digest.update(b"host\0" + host.encode("ascii") + b"\0")
     digest.update(method.encode("ascii"))
     if override is not None:
         digest.update(b">" + override.encode("ascii"))  # ">" is no method character

@@ -355,8 +355,13 @@ class Proxy:
             if fence.report and refusal.slug in WOULD_REFUSE:
                 return await self._report(request, route, target, None, refusal.slug)
             raise
-        # Hashed as it arrives: a body kept on disk is not read twice.
-        digest = None if write.key is None else fingerprint_digest(request.method, target, override)
+        # Hashed as it arrives: a body kept on disk is not read twice. On a route that
+        # preserves Host, the Host names the resource too (a virtual-hosted bucket).
+        digest = (
+            None
+            if write.key is None
+            else fingerprint_digest(request.method, target, override, _host(request, route))
+        )
         held = await self._bodies.read(request, route.max_body, spill=True, digest=digest)
         try:
             if digest is not None:
@@ -423,6 +428,7 @@ class Proxy:
         )
         key = seen.key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
+        _host(request, route)  # refused before admission, so a bad Host holds nothing
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
         write = FencedWrite(
             route.name,
@@ -848,6 +854,14 @@ def _host(request: web.BaseRequest, route: Route) -> str | None:
     it sent one (an HTTP/1.0 request may not); None for the upstream's authority."""
     if not route.preserve_host:
         return None
+    if not request.raw_path.startswith("/"):
+        # An absolute-form target names its own authority, which wins over Host
+        # (RFC 9112 §3.2.2): which of the two a signature covers is the client's.
+        raise RequestHeaderMalformed(
+            "a route that forwards the client's Host takes origin-form targets only "
+            "(/path, not http://host/path)",
+            header="Host",
+        )
     host = request.headers.get("Host")
     if host is not None and not _AUTHORITY.fullmatch(host):
         # Sent on as it came, it must be an authority (RFC 3986 §3.2): anything else

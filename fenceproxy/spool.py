@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from .errors import BodySpoolFailed, InsufficientStorage, Refusal
 from .fencing import Digest
+from .log import server_log
 
 __all__ = ["CHUNK", "SpoolFile", "SpoolFolder", "default_folder"]
 
@@ -196,8 +197,12 @@ class SpoolFile:
         if self._closing:
             return
         self._closing = True
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the descriptor is closed all the same; a sweep retries
+            server_log.error("could not remove the body file %s: %s", self.path, exc.strerror)
         busy = self._busy
         if busy is not None and not busy.done():
             busy.add_done_callback(self._close_after)

@@ -524,6 +524,21 @@ async def test_a_connection_refused_mid_body_is_gone_soon_even_if_the_client_sta
     assert upstream.received == []
 
 
+async def test_a_connection_closed_after_a_bodiless_request_is_forgotten(
+    start_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request without a body has aiohttp's shared empty payload: closing its
+    connection frees the connection as any other, with nothing logged."""
+    proxy = await start_proxy()
+    server = proxy.server.runner.server  # type: ignore[union-attr]
+    for _ in range(3):
+        reader, writer = await open_raw(proxy.port, b"GET /billing/x HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+    await eventually(lambda: not server.connections and server.open_connections == 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 # -- clients that leave, floods ---------------------------------------------------------
 
 

@@ -812,3 +812,45 @@ async def test_host_preserve_refuses_a_host_it_could_not_forward_unchanged(
     answer = await send(proxy.port, head)
     assert answer.status == 400
     assert raw_upstream.received == []
+
+
+async def test_host_preserve_refuses_before_admission_and_holds_nothing(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """A Host that cannot be forwarded, or an absolute-form target (whose authority
+    would win over Host), is refused before the write is admitted: the job is not
+    held and the key is free for the corrected request."""
+    proxy = await start_proxy(
+        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
+    )
+    assert proxy.port is not None
+    fields = b"\r\nFencing-Job: j\r\nFencing-Token: 1\r\nIdempotency-Key: k\r\nContent-Length: 1"
+    close = b"\r\nConnection: close\r\n\r\nx"
+    for head in (
+        b"PUT /bucket/k HTTP/1.1\r\nHost: bad/host",
+        b"PUT http://evil.test/bucket/k HTTP/1.1\r\nHost: bucket.s3.test",
+    ):
+        assert (await send(proxy.port, head + fields + close)).status == 400
+    good = b"PUT /bucket/k HTTP/1.1\r\nHost: bucket.s3.test"
+    assert (await send(proxy.port, good + fields + close)).status == 200
+    assert [r.values("Host") for r in raw_upstream.received] == [["bucket.s3.test"]]
+
+
+async def test_host_preserve_makes_the_host_part_of_the_idempotency_fingerprint(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """On a virtual-hosted upstream the Host names the resource: one key sent to two
+    buckets is two requests, and the second is refused, not answered as the first."""
+    proxy = await start_proxy(
+        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
+    )
+    assert proxy.port is not None
+    fields = b"\r\nFencing-Job: j\r\nFencing-Token: 1\r\nIdempotency-Key: k\r\nContent-Length: 1"
+    close = b"\r\nConnection: close\r\n\r\nx"
+    first = b"PUT /obj HTTP/1.1\r\nHost: bucket-a.s3.test"
+    assert (await send(proxy.port, first + fields + close)).status == 200
+    again = await send(proxy.port, first + fields + close)
+    assert (again.status, "idempotent-replayed: true" in again.head) == (200, True)
+    other = await send(proxy.port, b"PUT /obj HTTP/1.1\r\nHost: bucket-b.s3.test" + fields + close)
+    assert other.status == 422
+    assert [r.values("Host") for r in raw_upstream.received] == [["bucket-a.s3.test"]]
