@@ -655,3 +655,85 @@ async def test_a_settlement_whose_caller_is_cancelled_still_lands(store: Store) 
     replay = await admit(store, keyed("settled", 5, "k"))
     assert isinstance(replay, Replay)
     assert (replay.response.status, replay.response.body) == (201, b"made")
+
+
+async def test_a_cancelled_duplicate_gives_back_nothing_of_the_write_it_duplicates(
+    store: Store,
+) -> None:
+    """A duplicate is refused, and its caller cut off: what the cut gives back is the
+    duplicate's own, which is nothing. The original keeps its key and its job."""
+    original = keyed("j", 1, "k")
+    assert isinstance(await admit(store, original), Admit)
+    duplicate = keyed("j", 1, "k")
+    task = asyncio.create_task(store.admit(duplicate))
+    await asyncio.sleep(0)  # the admission is queued
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (await admit(store, duplicate)).slug == "duplicate-in-flight"  # type: ignore[union-attr]
+    assert isinstance(await admit(store, FencedWrite("r", "j", 1)), Busy)
+    await store.complete_key(original, StoredResponse(201, (), b"made"))
+    await store.end_turn(original)
+    assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"made"))
+
+
+async def test_a_key_reused_after_its_time_but_before_the_purge_keeps_its_new_answer(
+    store_url: str, clock: FakeClock
+) -> None:
+    """The expired row is still in the table: the key's new write must take it over,
+    or the new answer is recorded nowhere and a retry of it is sent again."""
+    store = await open_store(store_url, key_ttl=10, clock=clock)
+    try:
+        first = keyed("j", 1, "k")
+        assert isinstance(await admit(store, first), Admit)
+        await store.complete_key(first, StoredResponse(201, (), b"first"))
+        await store.end_turn(first)
+        clock.advance(11)  # past the key's 10 s; nothing purged it
+        again = keyed("j", 1, "k")
+        assert isinstance(await admit(store, again), Admit)
+        await store.complete_key(again, StoredResponse(201, (), b"again"))
+        await store.end_turn(again)
+        clock.advance(1)
+        assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"again"))
+    finally:
+        await store.close()
+
+
+async def test_a_write_that_lost_its_key_cannot_forget_its_successors(
+    store: Store, clock: FakeClock
+) -> None:
+    """A's record and key ran out and B took the key over; A forgetting the key
+    afterwards (it never sent, say) leaves B's alone, so B's answer is replayed."""
+    a = FencedWrite("r", "j", 1, key="k", fingerprint=b"k", hold=30)
+    assert isinstance(await admit(store, a), Admit)
+    clock.advance(61)  # past A's 30 s record and the key's 60 s
+    b = keyed("j", 1, "k")
+    assert isinstance(await admit(store, b), Admit)
+    await store.forget_key(a)
+    await store.complete_key(b, StoredResponse(201, (), b"by b"))
+    await store.end_turn(b)
+    assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"by b"))
+
+
+async def test_an_in_flight_record_ends_at_exactly_its_hold(store: Store, clock: FakeClock) -> None:
+    assert isinstance(await admit(store, FencedWrite("r", "j", 1, hold=10)), Admit)
+    clock.advance(9.5)
+    assert isinstance(await admit(store, FencedWrite("r", "j", 1)), Busy)
+    clock.advance(0.5)
+    assert isinstance(await admit(store, FencedWrite("r", "j", 1)), Admit)
+
+
+async def test_a_renewal_does_not_move_when_the_generation_was_set(
+    store: Store, clock: FakeClock
+) -> None:
+    claimed_at = clock.now
+    claimed, _ = await store.change_lease("j", _claim("j"))
+    assert isinstance(claimed, Lease)
+    clock.advance(3)
+    renewed, _ = await store.change_lease(
+        "j", lambda cur, fence, now: leasing.renew(cur, "j", "w", 1, None, now)
+    )
+    assert isinstance(renewed, Lease)
+    assert renewed.lease_until == clock.now + 5.0  # the renewal did land
+    view = await store.inspect("j")
+    assert (view.generation, view.generation_set_at) == (1, claimed_at)
