@@ -19,10 +19,10 @@ from aiohttp.test_utils import TestClient
 
 from fenceproxy import cli
 from fenceproxy.config import load_config, parse_config, signing_keys
-from fenceproxy.errors import ConfigError
+from fenceproxy.errors import ConfigError, TokenRejected
 from fenceproxy.fencing import GENERATION_MAX
 from fenceproxy.testing import RecordingUpstream
-from fenceproxy.tokens import SigningKeys, decode_key, generate_key
+from fenceproxy.tokens import SigningKeys, decode_key, generate_key, read_token
 
 from .conftest import ProxyFactory, fenced, store_of
 from .test_proxy import problem
@@ -220,6 +220,9 @@ def test_a_missing_or_bad_key_is_a_config_error_naming_it(
         ({"keys": [{"id": "a", "env": "X"}], "sign_with": "b"}, "not among the keys"),
         ({"keys": [{"id": "a", "env": "X"}, {"id": "a", "env": "Y"}]}, "same id"),
         ({"keys": [{"id": "a b", "env": "X"}]}, "signing.keys[0].id"),
+        ({"keys": [{"id": "a;b", "env": "X"}]}, "signing.keys[0].id"),
+        ({"keys": [{"id": "a\\b", "env": "X"}]}, "signing.keys[0].id"),
+        ({"keys": [{"id": "k" * 33, "env": "X"}]}, "signing.keys[0].id"),
         ({"keys": [{"id": "a", "secret": NEW}]}, "signing.keys[0].secret"),  # not in YAML
     ],
 )
@@ -251,3 +254,43 @@ def test_the_token_format_is_stable() -> None:
     assert keys.verify(token, "invoice-42", "T") == 8
     top = keys.sign("j", GENERATION_MAX)
     assert keys.verify(top, "j", "T") == GENERATION_MAX
+
+
+@pytest.mark.parametrize("inserted", [" ", "\\"], ids=["space", "backslash"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_generation_field_holding_anything_but_digits_is_rejected(
+    inserted: str, where: str
+) -> None:
+    """Rejected as a token (403), never read as the number around it nor failing as
+    a bare ValueError (a 500)."""
+    keys = SigningKeys({"k1": bytes(range(32))}, "k1")
+    prefix, generation, signature = keys.sign("j", 7).rsplit(".", 2)
+    field = inserted + generation if where == "before" else generation + inserted
+    with pytest.raises(TokenRejected):
+        keys.verify(f"{prefix}.{field}.{signature}", "j", "T")
+    with pytest.raises(TokenRejected):
+        read_token(f"{prefix}.{field}.{signature}", "T", "j", keys, signed_only=False)
+
+
+def test_a_key_longer_than_the_least_is_taken_whole() -> None:
+    material = bytes(range(37))
+    text = base64.urlsafe_b64encode(material).decode().rstrip("=")
+    assert decode_key(text) == material
+    keys = SigningKeys({"k1": decode_key(text)}, "k1")
+    assert keys.verify(keys.sign("j", 3), "j", "T") == 3
+
+
+KEY_33 = base64.urlsafe_b64encode(bytes(range(33))).decode()  # 44 characters, no padding
+
+
+@pytest.mark.parametrize(
+    "text",
+    [KEY_33[:20] + " " + KEY_33[20:], KEY_33[:20] + "%" + KEY_33[20:], "%" + KEY_33, "A" * 45],
+    ids=["space-inside", "percent-inside", "percent-first", "45-characters"],
+)
+def test_key_text_that_is_not_base64url_is_refused(text: str) -> None:
+    """Not skipped over: base64 decoders drop characters outside the alphabet, which
+    would take a mistyped key as the key without them."""
+    assert len(decode_key(KEY_33)) == 33
+    with pytest.raises(ValueError, match="base64url"):
+        decode_key(text)
