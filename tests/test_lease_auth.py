@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestClient
 
 from fenceproxy import cli
 from fenceproxy.client import LeaseClient
-from fenceproxy.config import load_config
-from fenceproxy.errors import ConfigError, LeaseRefused
+from fenceproxy.config import lease_credentials, load_config
+from fenceproxy.errors import ConfigError, LeaseRefused, LeaseUnauthenticated
 from fenceproxy.lease_auth import LeaseCredentials
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
 from fenceproxy.tokens import generate_key
@@ -226,6 +226,64 @@ def test_a_credential_that_cannot_be_read_is_a_config_error_naming_its_key(
     assert f"{path}: {key}: " in str(caught.value)
     assert message in str(caught.value)
     assert BILLING not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        pytest.param("s" * 31, id="31-characters"),
+        pytest.param("s" * 1025, id="1025-characters"),
+        pytest.param(BILLING[:20] + " " + BILLING[20:], id="space"),
+        pytest.param(BILLING[:20] + "%" + BILLING[20:], id="percent"),
+        pytest.param(BILLING[:20] + ";" + BILLING[20:], id="semicolon"),
+        pytest.param(BILLING[:20] + "\\" + BILLING[20:], id="backslash"),
+    ],
+)
+def test_a_secret_outside_its_length_or_alphabet_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, secret: str
+) -> None:
+    monkeypatch.setenv("FP_S", secret)
+    path = write_config(tmp_path, {"clients": [{"name": "a", "env": "FP_S"}]})
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert f"{path}: leases.clients[0].env: " in str(caught.value)
+    assert "32 to 1024" in str(caught.value)
+    assert secret not in str(caught.value)
+
+
+@pytest.mark.parametrize("length", [32, 1024])
+def test_a_secret_of_32_to_1024_characters_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    secret = ("Ab0._~+/-" * 114)[:length]
+    monkeypatch.setenv("FP_S", secret)
+    path = write_config(tmp_path, {"clients": [{"name": "a", "env": "FP_S"}]})
+    credentials = lease_credentials(load_config(path).leases, str(path))
+    assert credentials is not None
+    assert credentials.authenticate(f"Bearer {secret}").name == "a"
+
+
+def test_a_bearer_followed_by_spaces_is_its_caller() -> None:
+    credentials = LeaseCredentials([("a", BILLING, None)])
+    assert credentials.authenticate(f"Bearer {BILLING} ").name == "a"
+    assert credentials.authenticate(f"Bearer {BILLING}   ").name == "a"
+
+
+def test_a_bearer_beyond_ascii_is_unauthenticated() -> None:
+    """The Kelvin sign folds to k under Unicode case rules: it must not pass as a
+    secret's letter and then fail to encode (a 500)."""
+    credentials = LeaseCredentials([("a", BILLING, None)])
+    for presented in ("\u212a" * 40, BILLING[:-1] + "\u212a", BILLING + "\u00e9"):
+        with pytest.raises(LeaseUnauthenticated):
+            credentials.authenticate(f"Bearer {presented}")
+
+
+async def test_a_bearer_beyond_ascii_is_401_from_the_lease_api(proxy: Client) -> None:
+    for presented in ("\u212a" * 40, BILLING[:-1] + "\u212a"):
+        headers = {"Authorization": f"Bearer {presented}"}
+        response = await proxy.post("/_leases/invoice-1/claim", json={}, headers=headers)
+        await problem(response, 401, "lease-unauthenticated")
+    assert (await store_of(proxy).lease("invoice-1"))[0] is None
 
 
 def test_two_credentials_with_one_secret_or_one_name_are_refused(
