@@ -28,6 +28,7 @@ CANONICAL = {
     "//billing///charges//": "/billing/charges/",
     "/a//../b": "/b",  # slashes merged first, as nginx does: the '..' removes 'a'
     "/%76ictim/%7e%2D%5f": "/victim/~-_",  # unreserved characters decoded
+    "/%41": "/A",  # the module's own example
     "/caf%c3%a9/%3b/%3f": "/caf%C3%A9/%3B/%3F",  # other escapes: upper-case hex
     "/a%20b/x%252Ay": "/a%20b/x%252Ay",  # double encoding of anything else is data
     '/a"b/{c}/|': "/a%22b/%7Bc%7D/%7C",  # characters a path may not hold raw
@@ -55,6 +56,7 @@ REFUSED = {
     "/a/%zz": "malformed percent-escape",
     "/a/%4": "malformed percent-escape",
     "/a/%": "malformed percent-escape",
+    "/a/%%41": "malformed percent-escape",  # not %41 after a stray %
     "*": "must be a path",
     "billing/x": "must be a path",
 }
