@@ -268,8 +268,8 @@ class FencedWrite:
     """A fenced write as the decision sees it. ``key`` and ``fingerprint`` go together.
 
     ``turn`` names this attempt, unique across processes; once admitted, it holds the
-    job's in-flight record for ``hold`` seconds on the store's clock, or until the
-    upstream has answered.
+    job's in-flight record for ``hold`` seconds (60 unless given) on the store's clock,
+    or until the upstream has answered.
     """
 
     route: str

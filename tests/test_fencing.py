@@ -212,6 +212,11 @@ def completed(response: StoredResponse = STORED, fp: bytes = FP) -> KeyRecord:
     return KeyRecord(KeyState.COMPLETED, fp, response)
 
 
+def test_a_write_holds_its_job_for_60_seconds_unless_told() -> None:
+    """The documented default, for callers of the store that do not say."""
+    assert FencedWrite("billing", "invoice-42", 1).hold == 60.0
+
+
 def test_decide_no_history_admits_and_raises() -> None:
     assert decide(write(7), None, None) == Admit(raise_to=7)
 
