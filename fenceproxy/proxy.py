@@ -103,6 +103,8 @@ _Outcome = StoredResponse | Literal["unknown", "not-sent"]
 # buffers request bodies; a longer or chunked one is streamed through.
 _BUFFERED = 64 * 1024
 _SETTLE_RETRY = 1.0
+# How long close() lets the writes it cuts settle (abort, key, record) in the store.
+_SETTLE_AT_CLOSE = 5.0
 # An admitted write is sent only this soon after its admission was asked for: its
 # in-flight record lasts the route's timeout plus quarantine plus this.
 WOULD_REFUSE = frozenset(
@@ -175,6 +177,8 @@ class Proxy:
         # proxy, and another proxy reading a key this one could not settle refuses it.
         self._keys: dict[_Slot, KeyRecord] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # The handlers of fenced writes in their job's turn, cut at close.
+        self._writing: set[asyncio.Task[object]] = set()
 
     def reconfigure(self, router: Router, settings: ProxySettings) -> None:
         """Take a reloaded config's routes and settings for every request from now on.
@@ -263,9 +267,17 @@ class Proxy:
         )
 
     async def close(self) -> None:
-        """Stop retrying key settlements: a key in flight whose in-flight record is
-        gone reads as unknown to every proxy. Records of writes cut off at shutdown
-        stay in the store until they expire."""
+        """Cut the fenced writes still in their turn (shutdown's drain time is over)
+        and let each settle while the store is still open: its upstream connection
+        aborted, its key and record marked unknown, held for the route's quarantine
+        on every proxy. Then stop retrying key settlements: a key in flight whose
+        in-flight record is gone reads as unknown to every proxy. A write that could
+        not settle in time leaves its record to expire."""
+        writing = [task for task in self._writing if not task.done()]
+        for task in writing:
+            task.cancel()
+        if writing:
+            await asyncio.wait(writing, timeout=_SETTLE_AT_CLOSE)
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -484,6 +496,23 @@ class Proxy:
     ) -> web.StreamResponse:
         """Forward an admitted write in its job's turn; settle its key, then give the
         turn back, so no other write ever reads the key as orphaned."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._writing.add(task)
+        try:
+            return await self._in_turn(request, route, target, write, headers, body)
+        finally:
+            self._writing.discard(task)
+
+    async def _in_turn(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        target: str,
+        write: FencedWrite,
+        headers: CIMultiDict[str],
+        body: HeldBody,
+    ) -> web.StreamResponse:
         keyed = write.key is not None
         # The upstream's answer to a keyed write, read whole up to the replay cap.
         answer, whole = b"", True
