@@ -67,11 +67,32 @@ def postgres() -> Iterator[PostgresServer]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+STORES = ("sqlite", "postgresql")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``both_stores`` (or in a module so marked) runs once per store;
+    any other runs on SQLite. The store is the subject of a few modules (the stores,
+    leases, integrity, faults, the model); for the rest, HTTP is, and a PostgreSQL
+    copy of each test would only double the suite."""
+    if "store_url" not in metafunc.fixturenames:
+        return
+    if metafunc.definition.get_closest_marker("both_stores") is None:
+        return
+    chosen = {
+        name.strip()
+        for mark in metafunc.definition.iter_markers("parametrize")
+        for name in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])
+    }
+    if "store_url" not in chosen:
+        metafunc.parametrize("store_url", STORES, indirect=True)
+
+
+@pytest.fixture
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Every test that uses it runs on both stores: a new SQLite file, or the session's
-    PostgreSQL database emptied."""
-    if request.param == "sqlite":
+    """A new SQLite file, or the session's PostgreSQL database emptied: SQLite unless
+    the test is marked ``both_stores`` (then both) or asks for one by parameter."""
+    if getattr(request, "param", "sqlite") == "sqlite":
         return f"sqlite:///{tmp_path / 'fences.db'}"
     server: PostgresServer = request.getfixturevalue("postgres")
     url = server.url("fenceproxy")

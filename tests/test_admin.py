@@ -64,6 +64,7 @@ async def test_healthz_and_readyz_answer_while_the_store_is_ready(admin: Client)
     await problem(await admin.get("/nothing-here"), 404, "no-route")
 
 
+@pytest.mark.both_stores
 async def test_readyz_is_503_with_the_reason_when_the_store_is_not_ready(
     proxy: Client, admin: Client, store_url: str
 ) -> None:

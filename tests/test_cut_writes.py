@@ -37,6 +37,8 @@ from fenceproxy.testing import (
 
 from .conftest import ProxyFactory, fenced
 
+pytestmark = pytest.mark.both_stores
+
 MiB = 1024 * 1024
 RATE = 100_000  # bytes a second
 QUARANTINE = 2.0

@@ -18,6 +18,8 @@ from fenceproxy.testing import FakeClock, Received, RecordingUpstream
 from .conftest import ProxyFactory, admit, fenced
 from .test_proxy import problem
 
+pytestmark = pytest.mark.both_stores
+
 
 class FaultyStore(SQLiteStore):
     """A real SQLite store whose chosen operations fail or wait on a gate."""

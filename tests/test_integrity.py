@@ -23,6 +23,8 @@ from .conftest import ProxyFactory, raw_request
 from .nginx import Nginx, resolve_like_nginx
 from .test_target import SEGMENTS
 
+pytestmark = pytest.mark.both_stores
+
 
 @pytest.fixture
 async def raw_upstream() -> AsyncIterator[RawUpstream]:

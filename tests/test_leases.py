@@ -35,6 +35,8 @@ from fenceproxy.testing import FakeClock, RecordingUpstream
 from .conftest import ProxyFactory, fenced, store_of
 from .test_proxy import problem
 
+pytestmark = pytest.mark.both_stores
+
 Client = TestClient[Any, Any]
 
 PREFIX = "/_leases"

@@ -38,6 +38,8 @@ from fenceproxy.testing import FakeClock
 
 from .postgres import sql
 
+pytestmark = pytest.mark.both_stores
+
 JOB = "job"
 TTL = 2.0  # a lease's time
 HOLD = 2.0  # a write's in-flight record: timeout + quarantine + slack

@@ -35,6 +35,8 @@ from fenceproxy.testing import FakeClock
 from .conftest import admit
 from .postgres import PostgresServer, sql
 
+pytestmark = pytest.mark.both_stores
+
 SQLITE_TRIGGER = (
     "CREATE TRIGGER boom BEFORE INSERT ON idempotency_keys WHEN NEW.key = 'boom'"
     " BEGIN SELECT RAISE(ABORT, 'disk I/O error (injected)'); END"
