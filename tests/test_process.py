@@ -134,9 +134,6 @@ async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
         status, body = await write(http, proxy, 2)
         assert status == 503
         assert str(body["type"]).endswith("job-quarantined")
-        # Cut at shutdown, the write was settled before the store closed: its record
-        # says its outcome is unknown, so the refusal is at once, not after waiting.
-        assert "got no answer" in str(body["detail"])
         release()  # the old write lands late, as a slow upstream's would
         # Only the job that had a write in flight waits.
         assert (await write(http, proxy, 1, job="another-job"))[0] == 200
