@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: demo test servers lint typecheck model pytest chaos bench audit lock clean
+.PHONY: demo test quick servers lint typecheck model pytest chaos bench audit lock clean
 
 # Every dependency, tools included, at the versions and hashes CI tested:
 # requirements/dev.lock (and requirements/server.lock, what `serve` needs, for a
@@ -72,6 +72,10 @@ model:
 
 pytest: $(STAMP) servers
 	$(BIN)/pytest
+
+## The inner loop: lint and the tests that start no process of their own (not slow).
+quick: lint $(STAMP) servers
+	$(BIN)/pytest -m "not slow" -q
 
 ## Servers the tests drive for real, from Debian's packages when missing (as root):
 ## nginx, the reference for how an upstream resolves a request path and the
