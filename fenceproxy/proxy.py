@@ -311,15 +311,13 @@ class Proxy:
         fence = route.fence
         keep = fence.fields if fence is not None and mark is not None else frozenset()
         headers = forwarded_headers(request, self._trusted, length, keep=keep)
+        host = _host(request, route)
+        payload = body.payload() if isinstance(body, HeldBody) else body
+        upstream = await self._upstreams.send(
+            route, request.method, target, headers, payload, host=host
+        )
         if isinstance(body, HeldBody):
-            upstream = await self._upstreams.send(
-                route, request.method, target, headers, body.payload(), host=_host(request, route)
-            )
             body.release()  # the upstream has it
-        else:
-            upstream = await self._upstreams.send(
-                route, request.method, target, headers, body, host=_host(request, route)
-            )
         try:
             return await _relay(request, upstream, self._send_timeout, mark=mark)
         finally:
@@ -367,12 +365,14 @@ class Proxy:
             if fence.report and refusal.slug in WOULD_REFUSE:
                 return await self._report(request, route, target, None, refusal.slug)
             raise
+        # Checked before admission, so a bad Host holds nothing.
+        host = _host(request, route)
         # Hashed as it arrives: a body kept on disk is not read twice. On a route that
         # preserves Host, the Host names the resource too (a virtual-hosted bucket).
         digest = (
             None
             if write.key is None
-            else fingerprint_digest(request.method, target, override, _host(request, route))
+            else fingerprint_digest(request.method, target, override, host)
         )
         held = await self._bodies.read(request, route.max_body, spill=True, digest=digest)
         try:
@@ -380,17 +380,22 @@ class Proxy:
                 write = dataclasses.replace(write, fingerprint=digest.digest())
             if held.file is not None:  # sent from its file, framed as a buffered body is
                 headers[istr("Content-Length")] = str(held.size)
+            task = asyncio.current_task()
+            assert task is not None
+            self._writing.add(task)  # cut by close(), should it outlast shutdown
             try:
                 if write.key is None:
                     response = await self._forward_fenced(
-                        request, route, target, write, headers, held
+                        request, route, target, write, headers, held, host
                     )
                 else:
-                    response = await self._keyed(request, route, target, write, headers, held)
+                    response = await self._keyed(request, route, target, write, headers, held, host)
             except Refusal as refusal:
                 if fence.report and refusal.slug in WOULD_REFUSE:
                     return await self._report(request, route, target, held, refusal.slug)
                 raise
+            finally:
+                self._writing.discard(task)
             if fence.report and _decision(response) == "replayed":
                 return await self._report(request, route, target, held, "replayed")
             return response
@@ -440,7 +445,6 @@ class Proxy:
         )
         key = seen.key = None if raw_key is None else parse_key(raw_key, str(fence.key_header))
         _check_length(request, route)
-        _host(request, route)  # refused before admission, so a bad Host holds nothing
         headers = forwarded_headers(request, self._trusted, None, keep=fence.fields)
         write = FencedWrite(
             route.name,
@@ -465,6 +469,7 @@ class Proxy:
         write: FencedWrite,
         headers: CIMultiDict[str],
         body: HeldBody,
+        host: str | None,
     ) -> web.StreamResponse:
         """A keyed write: a duplicate of one this process is still settling is refused
         or replayed at once; otherwise it goes on, marked in flight here meanwhile."""
@@ -479,7 +484,7 @@ class Proxy:
         assert write.fingerprint is not None
         self._keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint, scope=write.scope)
         try:
-            return await self._forward_fenced(request, route, target, write, headers, body)
+            return await self._forward_fenced(request, route, target, write, headers, body, host)
         finally:
             record = self._keys.get(slot)
             if record is not None and record.state is KeyState.IN_FLIGHT:
@@ -493,26 +498,11 @@ class Proxy:
         write: FencedWrite,
         headers: CIMultiDict[str],
         body: HeldBody,
+        host: str | None,
     ) -> web.StreamResponse:
-        """Forward an admitted write in its job's turn; settle its key, then give the
-        turn back, so no other write ever reads the key as orphaned."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._writing.add(task)
-        try:
-            return await self._in_turn(request, route, target, write, headers, body)
-        finally:
-            self._writing.discard(task)
-
-    async def _in_turn(
-        self,
-        request: web.BaseRequest,
-        route: Route,
-        target: str,
-        write: FencedWrite,
-        headers: CIMultiDict[str],
-        body: HeldBody,
-    ) -> web.StreamResponse:
+        """Forward an admitted write in its job's turn, with ``host`` as its Host (None:
+        the upstream's own); settle its key, then give the turn back, so no other
+        write ever reads the key as orphaned."""
         keyed = write.key is not None
         # The upstream's answer to a keyed write, read whole up to the replay cap.
         answer, whole = b"", True
@@ -557,7 +547,7 @@ class Proxy:
                                 target,
                                 headers,
                                 body.payload(),
-                                host=_host(request, route),
+                                host=host,
                             )
                             body.release()  # the upstream has it
                             if keyed:

@@ -231,6 +231,23 @@ class _StreamServer:
             await server.wait_closed()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Each request in turn, its head read here and its body by :meth:`_take`,
+        answered ``200 {}`` (no body to a HEAD), until the connection ends."""
+        try:
+            while True:
+                head = RawRequest((await reader.readuntil(b"\r\n\r\n"))[:-4], b"")
+                if not await self._take(reader, head):
+                    return
+                answer = b"" if head.method == "HEAD" else b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _take(self, reader: asyncio.StreamReader, head: RawRequest) -> bool:
+        """Read and record one request's body; False if the connection ended first."""
         raise NotImplementedError
 
 
@@ -243,25 +260,14 @@ class RawUpstream(_StreamServer):
         self.received: list[RawRequest] = []
         self.url = ""
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = (await reader.readuntil(b"\r\n\r\n"))[:-4]
-                request = RawRequest(head, b"")
-                if any(v.lower() == "chunked" for v in request.values("Transfer-Encoding")):
-                    body = await _read_chunked(reader)
-                else:
-                    lengths = request.values("Content-Length")
-                    body = await reader.readexactly(int(lengths[0])) if lengths else b""
-                received = RawRequest(head, body)
-                self.received.append(received)
-                answer = b"" if received.method == "HEAD" else b"{}"
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + answer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def _take(self, reader: asyncio.StreamReader, head: RawRequest) -> bool:
+        if any(v.lower() == "chunked" for v in head.values("Transfer-Encoding")):
+            body = await _read_chunked(reader)
+        else:
+            lengths = head.values("Content-Length")
+            body = await reader.readexactly(int(lengths[0])) if lengths else b""
+        self.received.append(RawRequest(head.head, body))
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,27 +289,19 @@ class DiscardingUpstream(_StreamServer):
         self.received: list[Discarded] = []
         self.url = ""
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = RawRequest((await reader.readuntil(b"\r\n\r\n"))[:-4], b"")
-                lengths = head.values("Content-Length")
-                remaining = int(lengths[0]) if lengths else 0
-                digest, length = hashlib.sha256(), 0
-                while remaining:
-                    data = await reader.read(min(remaining, 1024 * 1024))
-                    if not data:
-                        return
-                    digest.update(data)
-                    length += len(data)
-                    remaining -= len(data)
-                self.received.append(Discarded(head, length, digest.hexdigest()))
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def _take(self, reader: asyncio.StreamReader, head: RawRequest) -> bool:
+        lengths = head.values("Content-Length")
+        remaining = int(lengths[0]) if lengths else 0
+        digest, length = hashlib.sha256(), 0
+        while remaining:
+            data = await reader.read(min(remaining, 1024 * 1024))
+            if not data:
+                return False
+            digest.update(data)
+            length += len(data)
+            remaining -= len(data)
+        self.received.append(Discarded(head, length, digest.hexdigest()))
+        return True
 
 
 @dataclass(frozen=True, slots=True)
