@@ -601,19 +601,19 @@ async def test_a_caller_is_every_value_of_its_scope_headers_in_order(
     assert len(upstream.received) == 1
 
 
+async def scoped_by(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, headers: list[str]
+) -> Client:
+    """A proxy whose route scopes keys by ``headers``."""
+    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url,
+             "fence": {"scope_headers": headers}}  # fmt: skip
+    return await start_proxy([route])
+
+
 async def test_a_route_without_scope_headers_replays_to_anyone(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await start_proxy(
-        [
-            {
-                "name": "billing",
-                "path": "/billing/",
-                "upstream": upstream.url,
-                "fence": {"scope_headers": []},
-            }
-        ]
-    )
+    proxy = await scoped_by(start_proxy, upstream, [])
     upstream.respond = _secret_answer()
     first = await fenced(proxy, "j", 1, key="k", headers={"Authorization": "Bearer alice"})
     assert first.status == 201
@@ -628,16 +628,7 @@ async def test_a_route_without_scope_headers_replays_to_anyone(
 async def test_keys_can_be_scoped_by_a_header_of_the_apis_own(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await start_proxy(
-        [
-            {
-                "name": "billing",
-                "path": "/billing/",
-                "upstream": upstream.url,
-                "fence": {"scope_headers": ["X-Api-Key"]},
-            }
-        ]
-    )
+    proxy = await scoped_by(start_proxy, upstream, ["X-Api-Key"])
     first = await fenced(proxy, "j", 1, key="k", headers={"X-Api-Key": "alice"})
     assert first.status == 200
     # Only the configured header makes the caller: Authorization is not part of it.
