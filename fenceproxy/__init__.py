@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
 from .errors import (
     ConfigError,
     FenceProxyError,
@@ -28,9 +29,9 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .app import FenceProxy, serve
     from .client import LeaseClient, SyncLeaseClient
     from .config import Config, load_config
+    from .server.app import FenceProxy, serve
     from .store import SQLiteStore, Store, open_store
 
 __all__ = [
@@ -52,13 +53,11 @@ __all__ = [
     "serve",
 ]
 
-__version__ = "0.1.0"
-
 _LAZY = {
     "LeaseClient": "client",
     "SyncLeaseClient": "client",
-    "FenceProxy": "app",
-    "serve": "app",
+    "FenceProxy": "server.app",
+    "serve": "server.app",
     "Config": "config",
     "load_config": "config",
     "SQLiteStore": "store",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import (
     ConfigError,
     FenceProxyError,
@@ -54,8 +55,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         prog="fenceproxy",
         description="A reverse proxy that refuses stale and duplicate fenced writes.",
     )
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"fenceproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -158,8 +157,9 @@ def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Co
 
 
 def _serve(config: Config, args: argparse.Namespace) -> None:
-    from .app import notify_systemd, serve
-    from .config import parse_listen, parse_store_url
+    from .config import parse_listen
+    from .server.app import notify_systemd, serve
+    from .store.url import parse_store_url
 
     logging.basicConfig(level=args.log_level, handlers=[logging.StreamHandler()])
     configure_logging(config.log_format, config.log_levels)
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return asyncio.run(run_demo())
     if args.command == "keys":
-        from .tokens import generate_key
+        from .fence.tokens import generate_key
 
         print(generate_key())
         return 0
@@ -290,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _lease(command, args, _lease_token(command, args))
     if args.command == "jobs":
         return run_jobs(command, args)
-    from .config import parse_store_url
     from .store import check_store, migrate_store
+    from .store.url import parse_store_url
 
     try:
         config = _load(args)

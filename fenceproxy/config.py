@@ -2,7 +2,7 @@
 
 Every error names the file, the key (``routes[0].upstream``) and what is wrong, and
 is raised as :class:`~fenceproxy.errors.ConfigError`. Nothing here is re-checked per
-request: :mod:`fenceproxy.routes` compiles the validated routes once.
+request: :mod:`fenceproxy.http.routes` compiles the validated routes once.
 """
 
 from __future__ import annotations
@@ -13,18 +13,8 @@ import os
 import re
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
-from urllib.parse import (
-    SplitResult,
-    parse_qs,
-    quote,
-    unquote,
-    urlencode,
-    urlsplit,
-    urlunsplit,
-)
 
 import yaml
 from pydantic import (
@@ -40,10 +30,11 @@ from pydantic import (
 from yarl import URL
 
 from .errors import ConfigError
-from .fencing import DEFAULT_SCOPE_HEADERS
-from .lease_auth import SECRET, LeaseCredentials
+from .fence.fencing import DEFAULT_SCOPE_HEADERS
+from .fence.tokens import KEY_ID, SigningKeys, decode_key
+from .leases.auth import SECRET, LeaseCredentials
 from .spool import SpoolFolder, default_folder
-from .tokens import KEY_ID, SigningKeys, decode_key
+from .store.url import absolute_store_url, parse_store_url
 from .units import parse_duration, parse_size
 
 __all__ = [
@@ -56,13 +47,10 @@ __all__ = [
     "RouteSpec",
     "SigningKeySpec",
     "SigningSpec",
-    "StoreURL",
-    "absolute_store_url",
     "lease_credentials",
     "load_config",
     "parse_config",
     "parse_listen",
-    "parse_store_url",
     "signing_keys",
 ]
 
@@ -102,90 +90,6 @@ OptionalDuration = Annotated[float, BeforeValidator(_duration), Field(ge=0, allo
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-@dataclass(frozen=True, slots=True)
-class StoreURL:
-    """A parsed ``store:`` value: a SQLite file, or a PostgreSQL database."""
-
-    backend: Literal["sqlite", "postgresql"]
-    path: str = ""
-    """SQLite: the file."""
-    synchronous: Literal["full", "normal"] = "full"
-    dsn: str = ""
-    """PostgreSQL: the URL for the driver, without fenceproxy's own options."""
-    pool: int = 10
-    password_env: str | None = None
-    """PostgreSQL: the environment variable that holds the password."""
-
-    def describe(self) -> str:
-        """Where the store is, for a log line: never a password."""
-        if self.backend == "sqlite":
-            return f"SQLite file {self.path}"
-        parts = urlsplit(self.dsn)
-        port = f":{parts.port}" if parts.port else ""
-        return f"PostgreSQL database {parts.hostname or 'localhost'}{port}{parts.path or '/'}"
-
-
-_STORE_FORMS = (
-    "expected sqlite:///PATH (relative to the config file's folder), sqlite:////ABSOLUTE/PATH "
-    "or postgresql://USER@HOST:PORT/DATABASE"
-)
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
-
-
-def parse_store_url(value: str) -> StoreURL:
-    """``sqlite:///relative.db`` or ``sqlite:////absolute.db``, with an optional
-    ``?synchronous=full|normal``; or ``postgresql://user@host:port/db`` (also
-    ``postgres://``) with optional ``?pool=N`` and ``?password_env=NAME``, other
-    options going to the driver. Raises ValueError, also for a password written into
-    the URL: it belongs in the environment."""
-    parts = urlsplit(value)
-    if parts.scheme in ("postgresql", "postgres"):
-        return _parse_postgres_url(parts)
-    if parts.scheme != "sqlite" or parts.netloc or len(parts.path) < 2:
-        raise ValueError(_STORE_FORMS)
-    options = parse_qs(parts.query, keep_blank_values=True)
-    synchronous = options.pop("synchronous", ["full"])[-1]
-    if options or synchronous not in ("full", "normal"):
-        raise ValueError("the only store option is ?synchronous=full or ?synchronous=normal")
-    return StoreURL(
-        "sqlite", unquote(parts.path[1:]), "full" if synchronous == "full" else "normal"
-    )
-
-
-def _parse_postgres_url(parts: SplitResult) -> StoreURL:
-    if not parts.hostname or parts.path in ("", "/"):
-        raise ValueError(_STORE_FORMS)
-    if parts.password is not None:
-        raise ValueError(
-            "a password must not be written into the config: name the environment variable "
-            "that holds it with ?password_env=NAME (or set PGPASSWORD)"
-        )
-    options = parse_qs(parts.query, keep_blank_values=True)
-    pool = options.pop("pool", ["10"])[-1]
-    if not pool.isdigit() or not 1 <= int(pool) <= 1000:
-        raise ValueError("?pool= takes a number of connections from 1 to 1000")
-    password_env = options.pop("password_env", [None])[-1]
-    if password_env is not None and not _ENV_NAME.fullmatch(password_env):
-        raise ValueError("?password_env= takes the name of an environment variable")
-    query = urlencode([(k, v) for k, values in options.items() for v in values])
-    dsn = urlunsplit(("postgresql", parts.netloc, parts.path, query, ""))
-    return StoreURL("postgresql", dsn=dsn, pool=int(pool), password_env=password_env)
-
-
-def absolute_store_url(value: str, base: str | os.PathLike[str]) -> str:
-    """``value`` with a relative SQLite path made absolute against the folder ``base``,
-    so the store is the same whatever the working directory; raises ValueError."""
-    parsed = parse_store_url(value)
-    if parsed.backend != "sqlite":
-        return value
-    path = parsed.path
-    if os.path.isabs(path):
-        return value
-    query = urlsplit(value).query
-    absolute = os.path.abspath(os.path.join(base, path))
-    return f"sqlite:///{quote(absolute)}" + (f"?{query}" if query else "")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -293,7 +197,7 @@ class RouteSpec(_Model):
     match_case: bool = True
     """False for an upstream that routes paths case-insensitively (Express, ASP.NET, IIS)."""
     paths: Literal["refuse", "normalize", "exact"] = "refuse"
-    """What a path with dot or empty segments gets (:mod:`fenceproxy.target`): 400,
+    """What a path with dot or empty segments gets (:mod:`fenceproxy.http.target`): 400,
     forwarded resolved, or forwarded as sent (opaque keys: S3, GCS, Swift, WebDAV)."""
     host: Literal["upstream", "preserve"] = "upstream"
     """The ``Host`` the upstream receives: its own authority, or the client's
@@ -324,7 +228,7 @@ class RouteSpec(_Model):
             raise ValueError("{job} may appear once")
         if "{job}" in value and not re.search(r"(^|/)\{job\}(/|$)", value):
             raise ValueError("{job} must be a whole path segment, as in /orders/{job}/")
-        # Requests are matched in their canonical form (fenceproxy.target), so a path
+        # Requests are matched in their canonical form (fenceproxy.http.target), so a path
         # that has none could never match.
         if any(c in value for c in "%;\\"):
             raise ValueError("must not hold '%', ';' or a backslash: write the path decoded")

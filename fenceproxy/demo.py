@@ -24,9 +24,9 @@ from typing import Any, TextIO
 import aiohttp
 from aiohttp import web
 
-from .app import FenceProxy
 from .client import LeaseClient, LeaseRefused
 from .config import parse_config
+from .server.app import FenceProxy
 from .testing import RecordingUpstream, free_port
 
 __all__ = ["run_demo"]

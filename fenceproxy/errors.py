@@ -61,7 +61,7 @@
             └── UpstreamTimeout      504  no answer in time after sending: outcome unknown
 
 Foreign errors are mapped into this tree at exactly two boundaries: aiohttp client
-errors in :mod:`fenceproxy.upstream`, sqlite errors in :mod:`fenceproxy.store.sqlite`.
+errors in :mod:`fenceproxy.http.upstream`, sqlite errors in :mod:`fenceproxy.store.sqlite`.
 Every refusal kind carries its problem ``type``, ``status`` and ``title`` once, here;
 the HTTP layer renders them and the log records them.
 """

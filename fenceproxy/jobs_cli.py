@@ -1,5 +1,5 @@
 """``fenceproxy jobs show JOB`` and ``fenceproxy jobs list``: what the store holds of
-jobs, asked of a running proxy's admin listener (:mod:`fenceproxy.admin`), never of
+jobs, asked of a running proxy's admin listener (:mod:`fenceproxy.ops.admin`), never of
 the database itself. Human-readable by default, the admin API's JSON with ``--json``.
 
 Exit 0 when answered, 1 when the admin listener refuses (an unknown job, say; its

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from .errors import BodySpoolFailed, InsufficientStorage, Refusal
-from .fencing import Digest
+from .fence.fencing import Digest
 from .log import server_log
 
 __all__ = ["CHUNK", "SpoolFile", "SpoolFolder", "default_folder"]
@@ -57,7 +57,7 @@ def spool_failure(exc: OSError, doing: str, *, sending: bool = False) -> Refusal
     """What a disk error while holding a body means to the client: 507 when the disk
     (or the file size limit) has no room, 503 for anything else. Nothing was sent; or,
     ``sending``, part of the body was, and the upstream connection is reset
-    (:mod:`fenceproxy.http1`), so the upstream never has the whole request."""
+    (:mod:`fenceproxy.http.http1`), so the upstream never has the whole request."""
     reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
     told = (
         "the upstream got part of it and its connection was reset, so it never had the "

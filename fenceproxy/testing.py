@@ -9,7 +9,7 @@
 * :class:`DiscardingUpstream`: an upstream that reads each request's body and keeps
   only its length and SHA-256, for bodies larger than memory.
 * :class:`FakeClock`: a clock tests move by hand instead of sleeping.
-* :class:`ProxyTestServer`: a :class:`~fenceproxy.app.FenceProxy` on loopback, for
+* :class:`ProxyTestServer`: a :class:`~fenceproxy.server.app.FenceProxy` on loopback, for
   aiohttp's test client (``aiohttp_client(ProxyTestServer(FenceProxy(config)))``).
 """
 
@@ -34,8 +34,8 @@ from aiohttp import web
 from aiohttp.test_utils import BaseTestServer
 from multidict import CIMultiDictProxy
 
-from . import hdrs
-from .app import FenceProxy
+from .http import hdrs
+from .server.app import FenceProxy
 
 __all__ = [
     "Arrival",

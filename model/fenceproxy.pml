@@ -13,11 +13,11 @@
  *
  * Time is counted in ticks of the store's clock. A lease lasts TTL; a route's
  * connect_timeout + timeout is TIMEOUT and its quarantine QUAR; the proxy sends
- * an admitted write within SLACK of its admission (fenceproxy/proxy.py,
+ * an admitted write within SLACK of its admission (fenceproxy/server/proxy.py,
  * _TURN_SLACK), so a write's in-flight record lasts HOLD. The upstream is assumed
  * to apply a write, if ever, within TIMEOUT + QUAR of its sending: that is what a
  * route's quarantine says. It rests on the proxy cutting a write at its timeout
- * (fenceproxy/http1.py aborts the connection, which resets it, before the record
+ * (fenceproxy/http/http1.py aborts the connection, which resets it, before the record
  * is given back or its quarantine starts): nothing more of the request reaches the
  * upstream after TIMEOUT, so only a request the upstream already has whole can
  * still be applied, within QUAR. The proxy's own timers are read on the store's clock:
@@ -67,7 +67,7 @@
 /* The store's clock (time.time() where the store runs, or PostgreSQL's now). */
 byte now;
 
-/* The job's lease (leases table; decisions in fenceproxy/leasing.py). */
+/* The job's lease (leases table; decisions in fenceproxy/leases/model.py). */
 mtype = { NONE, HELD, RELEASED, COMPLETED };
 mtype lstate = NONE;
 byte lgen;
@@ -115,7 +115,7 @@ byte buntil[WORKERS];                    /* ... until then, on the store's clock
 #define give_back(t) if :: rholder == t -> rholder = 0; rexpires = 0 :: else fi
 
 /* A turn names one attempt at a write, unlike any other the store or the wire
-   still holds (fenceproxy.fencing._new_turn: a process prefix and a counter).
+   still holds (fenceproxy.fence.fencing._new_turn: a process prefix and a counter).
    The model takes the first free name, so names never tell two states apart; a
    late answer to an earlier turn is forgotten when the worker's next write
    starts, since that turn's write has left the wire. */

@@ -14,9 +14,9 @@ if __name__ == "__main__":  # run as a script: the project root is not on sys.pa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fenceproxy.store.base as store_base
-from fenceproxy import fencing
 from fenceproxy.errors import Refusal
-from fenceproxy.fencing import Admit, FencedWrite, KeyRecord, Replay
+from fenceproxy.fence import fencing
+from fenceproxy.fence.fencing import Admit, FencedWrite, KeyRecord, Replay
 
 
 def decide_ignoring_generations(

@@ -13,10 +13,10 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 from hypothesis import settings
 
-from fenceproxy.app import FenceProxy
 from fenceproxy.config import parse_config
 from fenceproxy.errors import Refusal
-from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay
+from fenceproxy.fence.fencing import Admit, Busy, FencedWrite, Replay
+from fenceproxy.server.app import FenceProxy
 from fenceproxy.store import PostgresStore, Store
 from fenceproxy.testing import FakeClock, ProxyTestServer, RecordingUpstream
 

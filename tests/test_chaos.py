@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from fenceproxy.app import FenceProxy
 from fenceproxy.chaos import FAULTS, ChaosOptions, run_chaos
 from fenceproxy.chaos.checker import check
+from fenceproxy.server.app import FenceProxy
 from fenceproxy.testing import ProxyTestServer
 
 from .broken_fence import STORES, decide_ignoring_generations

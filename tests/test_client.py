@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.client import LeaseClient, LeaseLost, LeaseRefused, LeaseServiceError
-from fenceproxy.lease_api import LeaseService
+from fenceproxy.server.lease_api import LeaseService
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .conftest import ProxyFactory

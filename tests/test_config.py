@@ -17,12 +17,11 @@ from fenceproxy import cli
 from fenceproxy.config import (
     Config,
     FenceSpec,
-    StoreURL,
     load_config,
     parse_listen,
-    parse_store_url,
 )
 from fenceproxy.errors import ConfigError
+from fenceproxy.store.url import StoreURL, parse_store_url
 
 from .postgres import PostgresServer
 

@@ -26,9 +26,10 @@ import aiohttp
 import pytest
 import yaml
 
-from fenceproxy.config import Config, load_config, parse_config, parse_listen, parse_store_url
+from fenceproxy.config import Config, load_config, parse_config, parse_listen
+from fenceproxy.fence.tokens import generate_key
+from fenceproxy.store.url import parse_store_url
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port, status
-from fenceproxy.tokens import generate_key
 
 from .postgres import PostgresServer, sql
 

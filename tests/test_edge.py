@@ -20,7 +20,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient
 
-from fenceproxy.edge import LINGER_FOR, log_accept_errors
+from fenceproxy.http.edge import LINGER_FOR, log_accept_errors
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port, status
 
 from .conftest import ProxyFactory, fenced, raw_request

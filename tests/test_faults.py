@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from fenceproxy.errors import StoreError
-from fenceproxy.fencing import FencedWrite, Replay, StoredResponse, fingerprint, scope
+from fenceproxy.fence.fencing import FencedWrite, Replay, StoredResponse, fingerprint, scope
 from fenceproxy.store import SQLiteStore
 from fenceproxy.testing import FakeClock, Received, RecordingUpstream
 

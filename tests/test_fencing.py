@@ -26,7 +26,7 @@ from fenceproxy.errors import (
     Refusal,
     StaleGeneration,
 )
-from fenceproxy.fencing import (
+from fenceproxy.fence.fencing import (
     GENERATION_MAX,
     SHARED_SCOPE,
     UNSCOPED,

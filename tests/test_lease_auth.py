@@ -21,9 +21,9 @@ from fenceproxy import cli
 from fenceproxy.client import LeaseClient
 from fenceproxy.config import lease_credentials, load_config
 from fenceproxy.errors import ConfigError, LeaseRefused, LeaseUnauthenticated
-from fenceproxy.lease_auth import LeaseCredentials
+from fenceproxy.fence.tokens import generate_key
+from fenceproxy.leases.auth import LeaseCredentials
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
-from fenceproxy.tokens import generate_key
 
 from .conftest import ProxyFactory, fenced, store_of
 from .test_proxy import problem

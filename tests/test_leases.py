@@ -3,7 +3,7 @@ store's clock moved by hand: one winner among concurrent claimers, generations t
 only go up (across expiries, releases, restarts and a clock moved backwards), a
 distinct refusal for each way a holder can be wrong, retried completions, the fence
 a claim raises in the proxy, request validation and the ``leases:`` config. Then the
-pure decisions of :mod:`fenceproxy.leasing` on their own."""
+pure decisions of :mod:`fenceproxy.leases.model` on their own."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 from yarl import URL
 
-from fenceproxy import leasing
 from fenceproxy.errors import (
     ConfigError,
     JobCompleted,
@@ -28,8 +27,9 @@ from fenceproxy.errors import (
     LeaseSuperseded,
     Refusal,
 )
-from fenceproxy.fencing import GENERATION_MAX
-from fenceproxy.leasing import Lease, LeaseState
+from fenceproxy.fence.fencing import GENERATION_MAX
+from fenceproxy.leases import model as leasing
+from fenceproxy.leases.model import Lease, LeaseState
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
 from .conftest import ProxyFactory, fenced, store_of

@@ -29,10 +29,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from fenceproxy import leasing
 from fenceproxy.errors import Refusal
-from fenceproxy.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, scope
-from fenceproxy.leasing import Lease
+from fenceproxy.fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse, scope
+from fenceproxy.leases import model as leasing
+from fenceproxy.leases.model import Lease
 from fenceproxy.store import Store, open_store
 from fenceproxy.testing import FakeClock
 

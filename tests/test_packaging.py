@@ -97,11 +97,11 @@ def test_the_wheel_and_sdist_build_and_run_in_fresh_venvs(tmp_path: Path) -> Non
     checked = run(sys.executable, "-m", "twine", "check", "--strict", wheel, sdist)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    assert {"fenceproxy/static/page.js", "fenceproxy/static/page.css",
-            "fenceproxy/client/core.py"} <= shipped  # fmt: skip
+    assert {"fenceproxy/ops/static/page.js", "fenceproxy/ops/static/page.css",
+            "fenceproxy/server/lease-api.json", "fenceproxy/client/core.py"} <= shipped  # fmt: skip
     assert not any(name.startswith("tests/") for name in shipped)
     with tarfile.open(sdist) as tar:
-        assert f"fenceproxy-{__version__}/fenceproxy/static/page.js" in tar.getnames()
+        assert f"fenceproxy-{__version__}/fenceproxy/ops/static/page.js" in tar.getnames()
 
     # A worker's venv: the client's lock, then the wheel alone.
     client = tmp_path / "client-venv"
@@ -147,6 +147,7 @@ def install(venv: Path, lock: str, wheel: Path) -> None:
 def test_the_proxy_loads_none_of_the_clients_http_library() -> None:
     loaded = run(
         sys.executable, "-c",
-        "import sys, fenceproxy, fenceproxy.cli, fenceproxy.app; print('httpx' in sys.modules)",
+        "import sys, fenceproxy, fenceproxy.cli, fenceproxy.server.app;"
+        " print('httpx' in sys.modules)",
     )  # fmt: skip
     assert loaded.stdout == "False\n", loaded.stderr

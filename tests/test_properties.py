@@ -35,10 +35,10 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fenceproxy.app import FenceProxy
 from fenceproxy.config import Config, load_config, parse_config
 from fenceproxy.errors import ConfigError
-from fenceproxy.fencing import GENERATION_MAX, JOB_MAX_BYTES, KEY_MAX_CHARS
+from fenceproxy.fence.fencing import GENERATION_MAX, JOB_MAX_BYTES, KEY_MAX_CHARS
+from fenceproxy.server.app import FenceProxy
 from fenceproxy.testing import ProxyTestServer, RecordingUpstream
 
 from .conftest import ProxyFactory, fenced, raw_request

@@ -3,7 +3,7 @@ refusals by kind per minute, on a clock the test moves."""
 
 from __future__ import annotations
 
-from fenceproxy.recent import KEPT, MINUTES, Recent
+from fenceproxy.ops.recent import KEPT, MINUTES, Recent
 
 
 class Clock:

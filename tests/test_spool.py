@@ -17,10 +17,10 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient
 
-from fenceproxy.app import FenceProxy
 from fenceproxy.config import load_config, parse_config
 from fenceproxy.errors import ConfigError, KeyReused
-from fenceproxy.fencing import FencedWrite, Replay, fingerprint, fingerprint_digest, scope
+from fenceproxy.fence.fencing import FencedWrite, Replay, fingerprint, fingerprint_digest, scope
+from fenceproxy.server.app import FenceProxy
 from fenceproxy.testing import (
     DiscardingUpstream,
     ProxyProcess,

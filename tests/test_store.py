@@ -15,9 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from fenceproxy import cli, leasing
+from fenceproxy import cli
 from fenceproxy.errors import Refusal, StaleGeneration, StoreError, WriteInFlight
-from fenceproxy.fencing import (
+from fenceproxy.fence.fencing import (
     SHARED_SCOPE,
     Admit,
     Busy,
@@ -26,7 +26,8 @@ from fenceproxy.fencing import (
     StoredResponse,
     scope,
 )
-from fenceproxy.leasing import Lease
+from fenceproxy.leases import model as leasing
+from fenceproxy.leases.model import Lease
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.store import postgres as postgres_store
 from fenceproxy.store import sqlite as sqlite_store

@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 
 from fenceproxy.errors import StaleGeneration, StoreError, StoreLocked
-from fenceproxy.fencing import Admit, FencedWrite, KeyState, Replay, StoredResponse
+from fenceproxy.fence.fencing import Admit, FencedWrite, KeyState, Replay, StoredResponse
 from fenceproxy.store import SQLiteStore
 from fenceproxy.store import sqlite as sqlite_store
 from fenceproxy.testing import FakeClock

@@ -10,7 +10,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from fenceproxy.errors import RequestTargetMalformed
-from fenceproxy.target import canonical_path
+from fenceproxy.http.target import canonical_path
 
 from .nginx import Nginx, resolve_like_nginx
 

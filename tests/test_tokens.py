@@ -20,9 +20,9 @@ from aiohttp.test_utils import TestClient
 from fenceproxy import cli
 from fenceproxy.config import load_config, parse_config, signing_keys
 from fenceproxy.errors import ConfigError, TokenRejected
-from fenceproxy.fencing import GENERATION_MAX
+from fenceproxy.fence.fencing import GENERATION_MAX
+from fenceproxy.fence.tokens import SigningKeys, decode_key, generate_key, read_token
 from fenceproxy.testing import RecordingUpstream
-from fenceproxy.tokens import SigningKeys, decode_key, generate_key, read_token
 
 from .conftest import ProxyFactory, fenced, store_of
 from .test_proxy import problem

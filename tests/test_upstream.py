@@ -16,10 +16,10 @@ from yarl import URL
 
 from fenceproxy.config import RouteSpec
 from fenceproxy.errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
-from fenceproxy.http1 import Origin
-from fenceproxy.routes import Route
+from fenceproxy.http.http1 import Origin
+from fenceproxy.http.routes import Route
+from fenceproxy.http.upstream import UpstreamPool
 from fenceproxy.testing import RawRequest, free_port
-from fenceproxy.upstream import UpstreamPool
 
 from .conftest import ProxyFactory, raw_request
 

@@ -44,8 +44,8 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from ..config import parse_store_url
 from ..store import migrate_store
+from ..store.url import parse_store_url
 from ..testing import ProxyProcess, free_port
 from .checker import Report, check
 

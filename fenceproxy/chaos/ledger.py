@@ -22,7 +22,7 @@ from typing import IO
 
 from aiohttp import web
 
-from .. import hdrs
+from ..http import hdrs
 
 __all__ = ["Ledger", "main"]
 

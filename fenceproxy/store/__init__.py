@@ -7,11 +7,11 @@ import os
 import time
 from collections.abc import Callable
 
-from ..config import StoreURL, parse_store_url
 from ..errors import StoreError
 from .base import JobLocks, Store
 from .postgres import PostgresStore
 from .sqlite import SQLiteStore, folder_problem
+from .url import StoreURL, parse_store_url
 
 __all__ = [
     "JobLocks",

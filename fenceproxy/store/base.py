@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import Refusal
-from ..fencing import (
+from ..fence.fencing import (
     Admit,
     Busy,
     FencedWrite,
@@ -37,7 +37,7 @@ from ..fencing import (
     StoredResponse,
     decide,
 )
-from ..leasing import Lease, LeaseState, after_writes, check_write
+from ..leases.model import Lease, LeaseState, after_writes, check_write
 from ..log import store_log
 
 __all__ = [
@@ -328,7 +328,7 @@ async def to_completion(work: Awaitable[T]) -> T:
 def decide_write(
     write: FencedWrite, current: int | None, key: KeyRecord | None, lease: Lease | None, now: float
 ) -> Admit | Replay | Refusal:
-    """:func:`~fenceproxy.fencing.decide`, and for a write that would be admitted on a
+    """:func:`~fenceproxy.fence.fencing.decide`, and for a write that would be admitted on a
     lease-checked route, the lease check: a refused write never raises the fence.
     ``lease`` is read only when ``write.check_lease``."""
     decision = decide(write, current, key)
@@ -347,7 +347,7 @@ def decide_lease(
     """``change`` applied to the job's lease, its fence and the store's ``now``; a
     claim waits while the job's in-flight record (live until ``in_flight_until``)
     says an older write may still reach the upstream
-    (:func:`~fenceproxy.leasing.after_writes`)."""
+    (:func:`~fenceproxy.leases.model.after_writes`)."""
     result = change(current, fence, now)
     if isinstance(result, Refusal):
         return result

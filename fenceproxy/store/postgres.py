@@ -10,10 +10,10 @@ How a write is admitted, in one transaction:
 1. take the job's in-flight record: an ``INSERT ... ON CONFLICT DO UPDATE`` that
    succeeds only when the record is absent, expired or already this write's. Two
    proxies admitting one job meet on that row: the second waits for the first's
-   commit, then finds the record live and gets :class:`~fenceproxy.fencing.Busy`;
+   commit, then finds the record live and gets :class:`~fenceproxy.fence.fencing.Busy`;
 2. read the fence and the key, in a new statement, so with a fresh snapshot taken
    after the record was won: no admission of the job can commit in between;
-3. decide in Python (:func:`fenceproxy.fencing.decide`) and write: the fence only
+3. decide in Python (:func:`fenceproxy.fence.fencing.decide`) and write: the fence only
    ever rises (``GREATEST``), the key goes in flight. A refusal rolls back, record
    and all.
 
@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from ..errors import Refusal, StoreError
-from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leasing import Lease
+from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
+from ..leases.model import Lease
 from ..log import store_log
 from .base import (
     JOB_VIEW_SQL,
@@ -131,7 +131,7 @@ ALTER TABLE idempotency_keys ADD PRIMARY KEY (job, key);
 COMMENT ON TABLE inflight IS
     'admissions and lease changes of a job serialize on its advisory lock (schema 3)';
 """,
-    # A key is its caller's (fenceproxy.fencing.scope). Keys stored before have no
+    # A key is its caller's (fenceproxy.fence.fencing.scope). Keys stored before have no
     # caller: the empty scope matches none, so their answers are replayed to nobody.
     # A proxy from before would store keys without one: the version keeps it out.
     4: """

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
 from ..errors import Refusal, StoreError, StoreLocked
-from ..fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leasing import Lease
+from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
+from ..leases.model import Lease
 from ..log import store_log
 from .base import (
     JOB_VIEW_SQL,
@@ -147,7 +147,7 @@ DROP TABLE idempotency_keys;
 ALTER TABLE idempotency_keys_of_jobs RENAME TO idempotency_keys;
 CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
 """,
-    # A key is its caller's (fenceproxy.fencing.scope). Keys stored before have no
+    # A key is its caller's (fenceproxy.fence.fencing.scope). Keys stored before have no
     # caller: the empty scope matches none, so their answers are replayed to nobody.
     6: """
 ALTER TABLE idempotency_keys ADD COLUMN scope BLOB NOT NULL DEFAULT x'';

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from .._version import __version__
 from .recent import Recent
 
 __all__ = ["Metrics"]
@@ -70,8 +71,6 @@ class Metrics:
         self.connections = Gauge(
             "fenceproxy_client_connections", "Open client connections", registry=r
         )
-        from . import __version__
-
         Info("fenceproxy_build", "The running fenceproxy", registry=r).info(
             {"version": __version__}
         )

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import LeaseOutOfScope, LeaseUnauthenticated
+from ..errors import LeaseOutOfScope, LeaseUnauthenticated
 
 __all__ = ["SECRET", "LeaseCaller", "LeaseCredentials"]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .errors import (
+from ..errors import (
     DuplicateInFlight,
     DuplicateNotStored,
     DuplicateOutcomeUnknown,
@@ -284,7 +284,7 @@ class FencedWrite:
     hold: float = 60.0
     check_lease: bool = False
     """Admitted only while the job's lease at ``generation`` is live on the store's
-    clock (:func:`fenceproxy.leasing.check_write`)."""
+    clock (:func:`fenceproxy.leases.model.check_write`)."""
 
 
 @dataclass(frozen=True, slots=True)

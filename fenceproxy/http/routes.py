@@ -1,7 +1,7 @@
 """Validated route specs compiled once into what a request needs: the longest
 matching path, the job id from the path, the fencing headers as ``istr``.
 
-Routes are matched against the canonical path (:mod:`fenceproxy.target`), decoded,
+Routes are matched against the canonical path (:mod:`fenceproxy.http.target`), decoded,
 at segment boundaries: ``/billing`` matches ``/billing`` and ``/billing/...``, never
 ``/billingXYZ``; ``/billing/`` matches ``/billing/...`` only. Decoded, because an
 upstream reads ``/a%3Ab`` and ``/a:b`` alike; the canonical path holds no ``%2F``, so
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from multidict import istr
 from yarl import URL
 
-from .config import RouteSpec
-from .errors import NoRoute, RequestTargetMalformed, RequestTargetNotCanonical
+from ..config import RouteSpec
+from ..errors import NoRoute, RequestTargetMalformed, RequestTargetNotCanonical
 from .target import PathMode, canonical_path, check_exact, decode_exact, decode_path, escaped_path
 
 __all__ = ["SAFE_METHODS", "Fence", "Route", "Router"]
@@ -69,7 +69,7 @@ class Route:
     quarantine: float
     max_body: int
     paths: PathMode
-    """What a path that is not canonical gets (:mod:`fenceproxy.target`)."""
+    """What a path that is not canonical gets (:mod:`fenceproxy.http.target`)."""
     preserve_host: bool
     """The upstream receives the client's ``Host``, not its own authority."""
     _prefix: str | None
@@ -170,7 +170,7 @@ class Router:
     def route(self, raw: str) -> tuple[Route, str | None, str]:
         """The route for a request's raw path (no query), its job id from the path if
         any, and the path to route, fingerprint and forward, as the route's ``paths``
-        says (:mod:`fenceproxy.target`): found on the canonical form; ``refuse``
+        says (:mod:`fenceproxy.http.target`): found on the canonical form; ``refuse``
         takes a path only if it is canonical but for the spelling of escapes,
         ``normalize`` takes the canonical form, ``exact`` the raw one if it matches
         the same route. A path with no canonical form is taken only by the ``exact``

@@ -26,7 +26,7 @@ import re
 import secrets
 from collections.abc import Mapping
 
-from .errors import TokenRejected
+from ..errors import TokenRejected
 from .fencing import GENERATION_MAX, parse_generation
 
 __all__ = [

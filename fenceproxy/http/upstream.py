@@ -1,5 +1,5 @@
 """The upstream side: the header rules in both directions, and one pool of
-keep-alive connections per upstream origin (:mod:`fenceproxy.http1`, where the
+keep-alive connections per upstream origin (:mod:`fenceproxy.http.http1`, where the
 client's failures become UpstreamErrors).
 
 The client never follows redirects, never decompresses, keeps no cookies, and
@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 from yarl import URL
 
+from ..errors import RequestHeaderMalformed
 from . import hdrs
-from .errors import RequestHeaderMalformed
 from .http1 import Origin, UpstreamResponse
-from .metrics import Metrics
 from .routes import Route
 
 __all__ = [
@@ -158,12 +157,16 @@ def _append_via(headers: CIMultiDict[str], version: Any) -> None:
     headers[hdrs.VIA] = f"{prior}, {hop}" if prior else hop
 
 
+Answered = Callable[[str, float, int | None], None]
+
+
 class UpstreamPool:
     """The connection pool of each upstream origin the routes name."""
 
-    def __init__(self, routes: Iterable[Route], metrics: Metrics | None = None) -> None:
-        """``metrics`` records each answer's latency, by route and status class."""
-        self._metrics = metrics
+    def __init__(self, routes: Iterable[Route], answered: Answered | None = None) -> None:
+        """``answered(route, seconds, status)`` is told of each exchange: its route's
+        name, how long the upstream took, and its status (None when there was none)."""
+        self._answered = answered
         self._origins: dict[URL, Origin] = {}
         self.update(routes)
 
@@ -200,8 +203,8 @@ class UpstreamPool:
         """Send a request to the route's upstream and return once the upstream's status
         and headers are in; the caller must release the response it gets. ``host`` is
         the ``Host`` to send (a ``host: preserve`` route's client's), None for the
-        upstream's authority. Raises UpstreamError (see :mod:`fenceproxy.http1`)."""
-        metrics = self._metrics
+        upstream's authority. Raises UpstreamError (see :mod:`fenceproxy.http.http1`)."""
+        answered = self._answered
         started = time.monotonic()
         status: int | None = None
         try:
@@ -217,8 +220,8 @@ class UpstreamPool:
             status = response.status
             return response
         finally:
-            if metrics is not None:
-                metrics.upstream_answered(route.name, time.monotonic() - started, status)
+            if answered is not None:
+                answered(route.name, time.monotonic() - started, status)
 
     async def close(self) -> None:
         for origin in self._origins.values():

@@ -49,7 +49,7 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from .errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
+from ..errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
 
 __all__ = ["Origin", "UpstreamResponse", "map_failure"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from .errors import (
+from ..errors import (
     JobCompleted,
     LeaseExpired,
     LeaseHeld,
@@ -22,7 +22,7 @@ from .errors import (
     Refusal,
     WriteInFlight,
 )
-from .fencing import GENERATION_MAX
+from ..fence.fencing import GENERATION_MAX
 
 __all__ = [
     "Lease",
@@ -56,7 +56,7 @@ class Lease:
     @property
     def token(self) -> str:
         """The plain token: the generation. With signing keys, the lease API hands out
-        a signed one instead (:mod:`fenceproxy.tokens`); workers treat both as opaque."""
+        a signed one instead (:mod:`fenceproxy.fence.tokens`); workers treat both as opaque."""
         return str(self.generation)
 
     def live(self, now: float) -> bool:

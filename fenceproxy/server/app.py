@@ -4,7 +4,7 @@ aiohttp's low-level server, and ``serve`` to run it until a signal.
 The low-level server (``aiohttp.web.Server``) gives the handler each parsed request
 with no application router, middleware chain or per-request signals: the proxy
 matches its own routes, once, on the path as its route reads it
-(:mod:`fenceproxy.target`). That costs about a third less
+(:mod:`fenceproxy.http.target`). That costs about a third less
 CPU per request than a ``web.Application`` with one catch-all route.
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 
 from aiohttp import web
 
-from .admin import admin_app
-from .config import Config, lease_credentials, parse_listen, parse_store_url, signing_keys
-from .edge import (
+from ..config import Config, lease_credentials, parse_listen, signing_keys
+from ..errors import ConfigError, ListenError, Refusal
+from ..http.edge import (
     Bodies,
     ProxyServer,
     RefusedRequest,
@@ -37,15 +37,16 @@ from .edge import (
     log_accept_errors,
     problem_response,
 )
-from .errors import ConfigError, ListenError, Refusal
+from ..http.routes import Router
+from ..http.upstream import TrustedProxies, UpstreamPool
+from ..log import configure_logging, proxy_log, server_log
+from ..ops.admin import admin_app
+from ..ops.metrics import Metrics
+from ..spool import SpoolFolder, default_folder
+from ..store import Store, open_store
+from ..store.url import parse_store_url
 from .lease_api import LeaseService
-from .log import configure_logging, proxy_log, server_log
-from .metrics import Metrics
 from .proxy import Proxy, ProxySettings
-from .routes import Router
-from .spool import SpoolFolder, default_folder
-from .store import Store, open_store
-from .upstream import TrustedProxies, UpstreamPool
 
 __all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 
@@ -89,7 +90,7 @@ class FenceProxy:
             spool=SpoolFolder(config.limits.body_temp_path or default_folder()),
         )
         self.metrics = Metrics()
-        """What this proxy counts, served by the admin listener (:mod:`fenceproxy.admin`)."""
+        """What this proxy counts, served by the admin listener (:mod:`fenceproxy.ops.admin`)."""
         self._store: Store | None = None
         self._proxy: Proxy | None = None
         self._upstreams: UpstreamPool | None = None
@@ -157,7 +158,7 @@ class FenceProxy:
             keys=self._keys,
         )
         if self._proxy is None:
-            self._upstreams = UpstreamPool(self._router, self.metrics)
+            self._upstreams = UpstreamPool(self._router, self.metrics.upstream_answered)
             self._proxy = Proxy(
                 self._router,
                 settings,
@@ -229,7 +230,7 @@ class FenceProxy:
 
     def server(self, **kwargs: Any) -> ProxyServer:
         """The low-level server for :meth:`handle`, with the config's limits at the
-        door (:mod:`fenceproxy.edge`); ``kwargs`` go to aiohttp's (for example
+        door (:mod:`fenceproxy.http.edge`); ``kwargs`` go to aiohttp's (for example
         ``access_log``)."""
         # auto_decompress off: a compressed request body is forwarded as it came, with
         # its Content-Encoding, never decoded on the way.
@@ -243,7 +244,7 @@ class FenceProxy:
         return server
 
     def admin(self) -> web.Application:
-        """The admin listener's application (:mod:`fenceproxy.admin`)."""
+        """The admin listener's application (:mod:`fenceproxy.ops.admin`)."""
         return admin_app(lambda: self.config, lambda: self.store, self.metrics)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:

@@ -12,7 +12,7 @@ clock decides expiry; ``ttl`` is in seconds, fractional allowed, bounded by the
 config, and optional (``leases.default_ttl``).
 
 With credentials configured (``leases.clients``), every call needs one
-(:mod:`fenceproxy.lease_auth`): 401 without, 403 for a job it does not cover. The
+(:mod:`fenceproxy.leases.auth`): 401 without, 403 for a job it does not cover. The
 lease's owner is then the credential's name (``name/owner`` when the body names an
 owner too, which it need not).
 """
@@ -28,23 +28,23 @@ from urllib.parse import unquote
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from . import leasing
-from .config import LeasesSpec
-from .edge import Bodies
-from .errors import (
+from ..config import LeasesSpec
+from ..errors import (
     LeaseNotFound,
     LeaseRequestInvalid,
     LeaseRequestMalformed,
     NoRoute,
     Refusal,
 )
-from .fencing import GENERATION_MAX, parse_job
-from .lease_auth import LeaseCaller, LeaseCredentials
-from .leasing import Lease, LeaseState
-from .log import lease_log
-from .metrics import Metrics
-from .store import Store
-from .tokens import SigningKeys
+from ..fence.fencing import GENERATION_MAX, parse_job
+from ..fence.tokens import SigningKeys
+from ..http.edge import Bodies
+from ..leases import model as leasing
+from ..leases.auth import LeaseCaller, LeaseCredentials
+from ..leases.model import Lease, LeaseState
+from ..log import lease_log
+from ..ops.metrics import Metrics
+from ..store import Store
 
 __all__ = ["LeaseService"]
 
@@ -111,11 +111,11 @@ class LeaseService:
         credentials: LeaseCredentials | None = None,
     ) -> None:
         """Bodies are read through ``bodies``. With ``keys``, the tokens handed out are
-        signed (see :mod:`fenceproxy.tokens`); with ``credentials``, every call needs one."""
+        signed (see :mod:`fenceproxy.fence.tokens`); with ``credentials``, every call needs one."""
         self.spec = spec
         self.store: Store | None = None
         # The API described for clients in any language (OpenAPI 3.1), at this prefix.
-        described = json.loads(files(__package__).joinpath("static", "lease-api.json").read_bytes())
+        described = json.loads(files(__package__).joinpath("lease-api.json").read_bytes())
         self._openapi = json.dumps(_described(described, spec, credentials)).encode()
         self._openapi_path = f"{self.spec.prefix}/openapi.json"
         self._keys = keys

@@ -6,7 +6,7 @@ after the last it has, once a second), the refusals by kind over the last minute
 and 15 minutes, the routes of the running config and their upstreams, and, for the
 job entered, what the store holds of it now and its timeline: the claims, renewals,
 completions and releases (the generations and their holders) and the writes with
-their decisions, as this proxy saw them (:mod:`fenceproxy.recent`).
+their decisions, as this proxy saw them (:mod:`fenceproxy.ops.recent`).
 
 Every row is rendered here, the first time and as the page polls, so the script only
 places them. Every value is escaped; the page's Content-Security-Policy allows
@@ -23,12 +23,14 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import Config, parse_store_url
-from .errors import Refusal, StoreError
-from .fencing import parse_job
+from .._version import __version__
+from ..config import Config
+from ..errors import Refusal, StoreError
+from ..fence.fencing import parse_job
+from ..store import Store
+from ..store.base import JobView
+from ..store.url import parse_store_url
 from .recent import Event, Recent
-from .store import Store
-from .store.base import JobView
 
 __all__ = ["add_page"]
 
@@ -54,8 +56,6 @@ def add_page(
     recent: Recent,
 ) -> None:
     """Serve the page (``/``), its updates (``/page/feed``) and its two files."""
-    from . import __version__  # the package imports this module as it loads
-
     static = {
         name: (files(__package__).joinpath("static", name).read_bytes(), kind)
         for name, kind in _STATIC.items()

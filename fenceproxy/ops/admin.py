@@ -4,16 +4,16 @@ the proxy's port: what operators and their tools ask of a running proxy.
     GET /healthz   200 while the process serves (a liveness probe)
     GET /readyz    200 when the store answers and its schema is current; 503 with the
                    reason otherwise (a readiness probe, a load balancer's check)
-    GET /          the operator page (:mod:`fenceproxy.page`)
+    GET /          the operator page (:mod:`fenceproxy.ops.page`)
     GET /metrics   the Prometheus text format (prometheus-client)
     GET /jobs/{job}            what the store holds of one job: its highest generation
                                and when it was set, its lease, its in-flight record and
                                its recent idempotency keys (never their answers)
     GET /jobs?prefix=&after=&limit=   job ids with a fence or a lease, a page at a time
     GET /events?after=&job=&limit=    this proxy's last decisions and lease calls, and
-                                      its refusals by kind (:mod:`fenceproxy.recent`)
+                                      its refusals by kind (:mod:`fenceproxy.ops.recent`)
 
-The metrics are :class:`fenceproxy.metrics.Metrics`.
+The metrics are :class:`fenceproxy.ops.metrics.Metrics`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .config import Config
-from .edge import problem_response
-from .errors import (
+from ..config import Config
+from ..errors import (
     MisdirectedRequest,
     NoRoute,
     Refusal,
@@ -38,13 +37,14 @@ from .errors import (
     StoreNotReady,
     StoreUnavailable,
 )
-from .fencing import parse_job
-from .log import server_log
+from ..fence.fencing import parse_job
+from ..http.edge import problem_response
+from ..log import server_log
+from ..store import Store
+from ..store.base import JobView
 from .metrics import Metrics
 from .page import add_page
 from .recent import KEPT
-from .store import Store
-from .store.base import JobView
 
 __all__ = ["admin_app"]
 

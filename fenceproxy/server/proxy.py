@@ -1,6 +1,6 @@
 """The request path: route, decide, forward, answer.
 
-Every request's path is read once (:mod:`fenceproxy.target`): made canonical to find
+Every request's path is read once (:mod:`fenceproxy.http.target`): made canonical to find
 its route, then taken as that route's ``paths`` says (refused unless canonical,
 resolved, or as sent); that one form is matched against the routes, gives the job,
 goes into the idempotency fingerprint and is what the upstream receives. A request
@@ -48,9 +48,7 @@ from typing import Literal, TypeVar
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
-from . import hdrs
-from .edge import Bodies, HeldBody, check_body_size
-from .errors import (
+from ..errors import (
     FencingHeaderMalformed,
     FencingHeaderMissing,
     JobQuarantined,
@@ -62,7 +60,7 @@ from .errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from .fencing import (
+from ..fence.fencing import (
     SHARED_SCOPE,
     Admit,
     Busy,
@@ -79,20 +77,22 @@ from .fencing import (
     scope,
     single_field,
 )
-from .http1 import UpstreamResponse
-from .log import decision_log, proxy_log
-from .metrics import Metrics
-from .recent import Event
-from .routes import Fence, Route, Router
-from .store import Store
-from .tokens import SigningKeys, read_token
-from .upstream import (
+from ..fence.tokens import SigningKeys, read_token
+from ..http import hdrs
+from ..http.edge import Bodies, HeldBody, check_body_size
+from ..http.http1 import UpstreamResponse
+from ..http.routes import Fence, Route, Router
+from ..http.upstream import (
     TrustedProxies,
     UpstreamPool,
     forwarded_headers,
     replayable_headers,
     response_headers,
 )
+from ..log import decision_log, proxy_log
+from ..ops.metrics import Metrics
+from ..ops.recent import Event
+from ..store import Store
 
 __all__ = ["WOULD_REFUSE", "Proxy", "ProxySettings"]
 

@@ -68,8 +68,8 @@ from aiohttp.streams import EmptyStreamReader, StreamReader
 from aiohttp.web_protocol import RequestHandler
 from yarl import URL
 
-from .config import LimitsSpec
-from .errors import (
+from ..config import LimitsSpec
+from ..errors import (
     BodyTimeout,
     BodyTooLarge,
     ClientClosedRequest,
@@ -83,9 +83,9 @@ from .errors import (
     RequestTargetMalformed,
     VersionNotSupported,
 )
-from .fencing import Digest
-from .log import server_log
-from .spool import CHUNK, SpoolFile, SpoolFolder, spool_failure
+from ..fence.fencing import Digest
+from ..log import server_log
+from ..spool import CHUNK, SpoolFile, SpoolFolder, spool_failure
 
 __all__ = [
     "PROBLEM_JSON",

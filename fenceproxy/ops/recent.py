@@ -1,5 +1,5 @@
 """What this proxy decided lately, kept in memory for the operator page
-(:mod:`fenceproxy.page`): the last fenced decisions and lease calls, each numbered so
+(:mod:`fenceproxy.ops.page`): the last fenced decisions and lease calls, each numbered so
 a page can ask for those after the last it has, and the refusals counted by kind per
 minute over the last quarter of an hour.
 

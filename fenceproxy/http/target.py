@@ -59,7 +59,7 @@ import re
 from typing import Literal
 from urllib.parse import unquote
 
-from .errors import RequestTargetMalformed
+from ..errors import RequestTargetMalformed
 
 __all__ = [
     "PATH_SAFE",

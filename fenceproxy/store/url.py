@@ -1,0 +1,97 @@
+"""The ``store:`` value: which backend, where, and its options, parsed once.
+
+Only the store reads these: the config keeps the text and checks it parses."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import SplitResult, parse_qs, quote, unquote, urlencode, urlsplit, urlunsplit
+
+__all__ = ["StoreURL", "absolute_store_url", "parse_store_url"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreURL:
+    """A parsed ``store:`` value: a SQLite file, or a PostgreSQL database."""
+
+    backend: Literal["sqlite", "postgresql"]
+    path: str = ""
+    """SQLite: the file."""
+    synchronous: Literal["full", "normal"] = "full"
+    dsn: str = ""
+    """PostgreSQL: the URL for the driver, without fenceproxy's own options."""
+    pool: int = 10
+    password_env: str | None = None
+    """PostgreSQL: the environment variable that holds the password."""
+
+    def describe(self) -> str:
+        """Where the store is, for a log line: never a password."""
+        if self.backend == "sqlite":
+            return f"SQLite file {self.path}"
+        parts = urlsplit(self.dsn)
+        port = f":{parts.port}" if parts.port else ""
+        return f"PostgreSQL database {parts.hostname or 'localhost'}{port}{parts.path or '/'}"
+
+
+_STORE_FORMS = (
+    "expected sqlite:///PATH (relative to the config file's folder), sqlite:////ABSOLUTE/PATH "
+    "or postgresql://USER@HOST:PORT/DATABASE"
+)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+
+
+def parse_store_url(value: str) -> StoreURL:
+    """``sqlite:///relative.db`` or ``sqlite:////absolute.db``, with an optional
+    ``?synchronous=full|normal``; or ``postgresql://user@host:port/db`` (also
+    ``postgres://``) with optional ``?pool=N`` and ``?password_env=NAME``, other
+    options going to the driver. Raises ValueError, also for a password written into
+    the URL: it belongs in the environment."""
+    parts = urlsplit(value)
+    if parts.scheme in ("postgresql", "postgres"):
+        return _parse_postgres_url(parts)
+    if parts.scheme != "sqlite" or parts.netloc or len(parts.path) < 2:
+        raise ValueError(_STORE_FORMS)
+    options = parse_qs(parts.query, keep_blank_values=True)
+    synchronous = options.pop("synchronous", ["full"])[-1]
+    if options or synchronous not in ("full", "normal"):
+        raise ValueError("the only store option is ?synchronous=full or ?synchronous=normal")
+    return StoreURL(
+        "sqlite", unquote(parts.path[1:]), "full" if synchronous == "full" else "normal"
+    )
+
+
+def _parse_postgres_url(parts: SplitResult) -> StoreURL:
+    if not parts.hostname or parts.path in ("", "/"):
+        raise ValueError(_STORE_FORMS)
+    if parts.password is not None:
+        raise ValueError(
+            "a password must not be written into the config: name the environment variable "
+            "that holds it with ?password_env=NAME (or set PGPASSWORD)"
+        )
+    options = parse_qs(parts.query, keep_blank_values=True)
+    pool = options.pop("pool", ["10"])[-1]
+    if not pool.isdigit() or not 1 <= int(pool) <= 1000:
+        raise ValueError("?pool= takes a number of connections from 1 to 1000")
+    password_env = options.pop("password_env", [None])[-1]
+    if password_env is not None and not _ENV_NAME.fullmatch(password_env):
+        raise ValueError("?password_env= takes the name of an environment variable")
+    query = urlencode([(k, v) for k, values in options.items() for v in values])
+    dsn = urlunsplit(("postgresql", parts.netloc, parts.path, query, ""))
+    return StoreURL("postgresql", dsn=dsn, pool=int(pool), password_env=password_env)
+
+
+def absolute_store_url(value: str, base: str | os.PathLike[str]) -> str:
+    """``value`` with a relative SQLite path made absolute against the folder ``base``,
+    so the store is the same whatever the working directory; raises ValueError."""
+    parsed = parse_store_url(value)
+    if parsed.backend != "sqlite":
+        return value
+    path = parsed.path
+    if os.path.isabs(path):
+        return value
+    query = urlsplit(value).query
+    absolute = os.path.abspath(os.path.join(base, path))
+    return f"sqlite:///{quote(absolute)}" + (f"?{query}" if query else "")
