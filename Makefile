@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: demo test quick servers lint typecheck model pytest chaos bench audit lock clean
+.PHONY: demo test quick servers lint typecheck model docs pytest chaos bench audit lock clean
 
 # Every dependency, tools included, at the versions and hashes CI tested:
 # requirements/dev.lock (and requirements/server.lock, what `serve` needs, for a
@@ -47,8 +47,8 @@ $(DEMO_STAMP): pyproject.toml requirements/demo.lock
 demo: $(DEMO_STAMP)
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m fenceproxy demo
 
-## Lint, types, the protocol model and the whole test suite.
-test: lint typecheck model pytest
+## Lint, types, the protocol model, the documentation site and the whole test suite.
+test: lint typecheck model docs pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check fenceproxy tests bench examples model
@@ -69,6 +69,11 @@ model:
 	  fi; \
 	fi
 	$(PYTHON) model/check.py
+
+## The documentation site (mkdocs.yml, docs/) into site/. --strict: a broken link or
+## anchor, or a page left out of nav, fails. Offline: no plugin fetches anything.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 pytest: $(STAMP) servers
 	$(BIN)/pytest

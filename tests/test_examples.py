@@ -1,6 +1,8 @@
-"""The worked examples run as a user runs them, against a real proxy process: the
-README's client examples, and a pool of synchronous workers in real processes where
-one is paused (SIGSTOP) past its lease and its job is taken over."""
+"""The worked examples run as a user runs them, against a real proxy process: every
+Python block of README.md and docs/ (tests/test_docs.py checks the other blocks), the
+README's quick start with the answers it shows, and a pool of synchronous workers in
+real processes where one is paused (SIGSTOP) past its lease and its job is taken
+over."""
 
 from __future__ import annotations
 
@@ -13,19 +15,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
 
+from .test_docs import BLOCKS, Block, commands
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_examples() -> list[str]:
-    """The Python blocks of the README's section on the clients."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### The Python clients", 1)[1].split("\n### ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+def python_examples() -> list[Block]:
+    """The Python blocks of README.md and docs/ that are whole programs: all but those
+    marked fragment or skip (which tests/test_docs.py compiles)."""
+    return [b for b in BLOCKS if b.lang == "python" and b.marker is None]
 
 
 @pytest.fixture
@@ -59,23 +63,98 @@ async def python(*argv: str) -> tuple[int, str, str]:
     return child.returncode, out.decode(), err.decode()
 
 
-async def test_the_readmes_client_examples_run_and_check_every_write(
+async def test_the_docs_python_examples_run_and_check_every_write(
     proxy: ProxyProcess, upstream: RecordingUpstream
 ) -> None:
-    examples = readme_examples()
-    assert len(examples) == 2
-    for example in examples:
-        assert "raise_for_status()" in example  # a refused write is never a success
-        run = example.replace("http://127.0.0.1:8080", proxy.url)
+    examples = python_examples()
+    # The synchronous worker on the front page, and both clients' on the Clients page.
+    assert {b.path.name for b in examples} >= {"README.md", "clients.md"}
+    written = []
+    for n, example in enumerate(examples):
+        assert "raise_for_status()" in example.code  # a refused write is never a success
+        # Each on a job of its own, so each claims generation 1: the front page and the
+        # Clients page show the same worker.
+        job = f"example-{n}"
+        run = re.sub(r"invoice-\d+", job, example.code.replace("http://127.0.0.1:8080", proxy.url))
+        before = len(upstream.received)
         exit_code, _, err = await python("-c", run)
-        assert exit_code == 0, err
-    writes = [(r.job, r.headers["Fencing-Token"], r.headers["Idempotency-Key"], json.loads(r.body))
-              for r in upstream.received]  # fmt: skip
-    assert writes == [
-        ("invoice-42", "1", "invoice-42-10", {"amount": 10}),
-        ("invoice-42", "1", "invoice-42-20", {"amount": 20}),
-        ("invoice-43", "1", "invoice-43-10", {"amount": 10}),
-    ]
+        assert exit_code == 0, f"{example.where}: {err}"
+        writes = [(r.job, r.headers["Fencing-Token"], r.headers["Idempotency-Key"],
+                   json.loads(r.body)) for r in upstream.received[before:]]  # fmt: skip
+        amounts = (10, 20) if "SyncLeaseClient" in example.code else (10,)
+        expected = [(job, "1", f"{job}-{amount}", {"amount": amount}) for amount in amounts]
+        assert writes == expected, example.where
+        written.append(example.where)
+    assert len(written) >= 3
+
+
+def quick_start() -> list[Block]:
+    """The blocks of the README's quick start, in order."""
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start = text.index("\n## Quick start\n")
+    end = text.index("\n## ", start + 1)
+    first, last = text.count("\n", 0, start), text.count("\n", 0, end)
+    return [b for b in BLOCKS if b.path == readme and first < b.line <= last]
+
+
+async def curl(http: httpx.AsyncClient, argv: list[str], proxy: ProxyProcess) -> httpx.Response:
+    """A curl command of the docs (-s, -X, -H, -d and a URL on localhost:8080), sent
+    to ``proxy``."""
+    method, data, url = "GET", None, None
+    headers: dict[str, str] = {}
+    words = iter(argv[1:])
+    for word in words:
+        if word == "-X":
+            method = next(words)
+        elif word == "-H":
+            name, _, value = next(words).partition(":")
+            headers[name] = value.strip()
+        elif word == "-d":
+            data = next(words)
+        elif word != "-s":
+            assert url is None, f"curl {word}: not understood here"
+            url = word
+    assert url is not None
+    assert url.startswith("localhost:8080/"), url
+    target = proxy.url + url.removeprefix("localhost:8080")
+    return await http.request(method, target, headers=headers, content=data)
+
+
+async def test_the_readmes_quick_start_gets_the_answers_it_shows(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    blocks = quick_start()
+    assert [b.lang for b in blocks] == ["yaml", "sh", "sh", "json", "sh", "sh", "json"]
+    config, serve, claim, lease, write, late, problem = blocks
+    assert commands(serve) == [["fenceproxy", "serve", "-c", "fenceproxy.yaml"]]
+    (tmp_path / "fenceproxy.yaml").write_text(
+        config.code.replace("http://127.0.0.1:9000", upstream.url)
+    )
+    proxy = await ProxyProcess(tmp_path / "fenceproxy.yaml", free_port(), cwd=tmp_path).start()
+    try:
+        async with httpx.AsyncClient() as http:
+            # Worker A claims, with a lease of a second rather than 30, to outlive it soon.
+            [claim_a] = commands(claim)
+            claim_a = [word.replace('"ttl": 30', '"ttl": 1') for word in claim_a]
+            got, shown = (await curl(http, claim_a, proxy)).json(), json.loads(lease.code)
+            assert got.keys() == shown.keys()
+            varying = ("ttl", "lease_until", "expires_in")  # the store's clock, the ttl
+            assert {**got, **{k: shown[k] for k in varying}} == shown
+            [write_a] = commands(write)
+            assert (await curl(http, write_a, proxy)).status_code == 200
+            await asyncio.sleep(1.2)  # A pauses past its lease
+            claim_b, late_write = commands(late)
+            assert (await curl(http, claim_b, proxy)).json()["generation"] == 2
+            refused = await curl(http, late_write, proxy)
+            assert refused.status_code == 409
+            assert refused.json() == json.loads(problem.code)
+            # A's first write, retried with its key: answered from it, not forwarded.
+            again = await curl(http, write_a, proxy)
+            assert (again.status_code, again.headers["Idempotent-Replayed"]) == (200, "true")
+    finally:
+        await proxy.stop()
+    assert [json.loads(r.body) for r in upstream.received] == [{"amount": 10}]
 
 
 @pytest.mark.slow
