@@ -4,12 +4,13 @@ and in-flight records, shared by every proxy that uses it.
 A backend keeps, per job, the highest generation it has accepted and its in-flight
 record (which write may be at the upstream now, until when); per (job, key), by
 whatever route it came, what became of a keyed write; per job its lease. Every
-decision is taken inside one transaction by :func:`decide_write` (the fence, the key
-and, on a lease-checked route, the lease), and committed before the proxy forwards
-anything. Whatever the guarantees rest on lives here, not in a proxy's
-memory: a proxy's own caches (the SQLite store's fences, the proxy's key records)
-are either authoritative because one process owns the store, or only ever refuse
-or replay, never admit.
+decision is taken inside one transaction by
+:func:`~fenceproxy.leases.model.decide_write` (the fence, the key and, on a
+lease-checked route, the lease), and committed before the proxy forwards anything.
+Whatever the guarantees rest on lives here, not in a proxy's memory: a proxy's own
+caches (the SQLite store's fences, the proxy's key records) are either
+authoritative because one process owns the store, or only ever refuse or replay,
+never admit.
 
 Backends: :mod:`.sqlite` (one proxy process per file) and :mod:`.postgres` (any
 number of proxies on one database).
@@ -35,9 +36,8 @@ from ..fence.fencing import (
     KeyState,
     Replay,
     StoredResponse,
-    decide,
 )
-from ..leases.model import Lease, LeaseState, after_writes, check_write
+from ..leases.model import Lease, LeaseChange, LeaseState
 from ..log import store_log
 
 __all__ = [
@@ -48,8 +48,6 @@ __all__ = [
     "KeyView",
     "LeaseChange",
     "Store",
-    "decide_lease",
-    "decide_write",
     "job_view",
     "key_not_held",
     "key_record",
@@ -60,9 +58,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
-"""A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
 
 
 class Store(abc.ABC):
@@ -134,12 +129,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         """Apply ``change`` to the job's lease in one transaction, with the job's fence
-        and the store's clock (:func:`decide_lease`); returns the outcome and that
-        clock's reading. A new lease is written, and the job's fence raised to its
-        generation, so a late write of an older holder is refused by the proxy even
-        before the new holder has written anything. A new generation is not handed out
-        while the job's in-flight record is live; no admission runs between the
-        record's reading and the commit."""
+        and the store's clock (:func:`~fenceproxy.leases.model.decide_lease`); returns
+        the outcome and that clock's reading. A new lease is written, and the job's
+        fence raised to its generation, so a late write of an older holder is refused
+        by the proxy even before the new holder has written anything. A new generation
+        is not handed out while the job's in-flight record is live; no admission runs
+        between the record's reading and the commit."""
 
     @abc.abstractmethod
     async def lease(self, job: str) -> tuple[Lease | None, float]:
@@ -323,35 +318,6 @@ async def to_completion(work: Awaitable[T]) -> T:
         with contextlib.suppress(Exception):
             await task
         raise
-
-
-def decide_write(
-    write: FencedWrite, current: int | None, key: KeyRecord | None, lease: Lease | None, now: float
-) -> Admit | Replay | Refusal:
-    """:func:`~fenceproxy.fence.fencing.decide`, and for a write that would be admitted on a
-    lease-checked route, the lease check: a refused write never raises the fence.
-    ``lease`` is read only when ``write.check_lease``."""
-    decision = decide(write, current, key)
-    if write.check_lease and isinstance(decision, Admit):
-        return check_write(lease, write.job, write.generation, now) or decision
-    return decision
-
-
-def decide_lease(
-    change: LeaseChange,
-    current: Lease | None,
-    fence: int | None,
-    in_flight_until: float | None,
-    now: float,
-) -> Lease | Refusal:
-    """``change`` applied to the job's lease, its fence and the store's ``now``; a
-    claim waits while the job's in-flight record (live until ``in_flight_until``)
-    says an older write may still reach the upstream
-    (:func:`~fenceproxy.leases.model.after_writes`)."""
-    result = change(current, fence, now)
-    if isinstance(result, Refusal):
-        return result
-    return after_writes(result, current, in_flight_until, now)
 
 
 def key_not_held(write: FencedWrite, what: str) -> None:

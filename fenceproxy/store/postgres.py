@@ -35,16 +35,13 @@ import asyncpg
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leases.model import Lease
+from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from .base import (
     JOB_VIEW_SQL,
     JOBS_SQL,
     JobView,
-    LeaseChange,
     Store,
-    decide_lease,
-    decide_write,
     job_view,
     key_not_held,
     key_record,
