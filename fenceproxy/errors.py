@@ -60,8 +60,20 @@
             ├── UpstreamFailed       502  reset or malformed answer after sending: outcome unknown
             └── UpstreamTimeout      504  no answer in time after sending: outcome unknown
 
-Foreign errors are mapped into this tree at exactly two boundaries: aiohttp client
-errors in :mod:`fenceproxy.http.upstream`, sqlite errors in :mod:`fenceproxy.store.sqlite`.
+Foreign errors are mapped into this tree by one adapter per library, each with its
+table and a test that the table misses nothing the library raises there and that
+what the adapter reads of the library exists:
+
+    fenceproxy.http.aiohttp_server   aiohttp's server and request parser: refusals at
+                                     the door (431, 505, 400, 408, 499); the only
+                                     reads of aiohttp's private server state
+    fenceproxy.http.aiohttp_client   aiohttp's client protocol and response parser,
+                                     the socket and timeouts: UpstreamError (the one
+                                     place a timeout becomes UpstreamTimeout)
+    fenceproxy.store.sqlite_errors   sqlite3: StoreError, StoreLocked by result code
+    fenceproxy.store.asyncpg_errors  asyncpg and the network: StoreError
+    fenceproxy.client                httpx, for the lease clients: LeaseServiceError
+
 Every refusal kind carries its problem ``type``, ``status`` and ``title`` once, here;
 the HTTP layer renders them and the log records them.
 """

@@ -620,10 +620,14 @@ async def test_an_admission_waits_for_a_lease_change_on_another_proxy(
         await store.close()
 
 
-async def test_an_admission_whose_caller_is_cancelled_is_given_back(store: Store) -> None:
+@pytest.mark.parametrize("again", [0, 3], ids=["once", "again-meanwhile"])
+async def test_an_admission_whose_caller_is_cancelled_is_given_back(
+    store: Store, again: int
+) -> None:
     """A request cut off while the store admits its write never sends it: whatever the
     admission took, at whichever point it was cut off, neither the job nor the key
-    waits out the write's record."""
+    waits out the write's record. Cancelled again while that is given back, the
+    caller still goes on only once it has been."""
     cancelled = 0
     for n, delay in enumerate([0.0, 0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02]):
         job = f"cut-{n}"
@@ -632,6 +636,9 @@ async def test_an_admission_whose_caller_is_cancelled_is_given_back(store: Store
             await asyncio.sleep(0)
         await asyncio.sleep(delay)
         task.cancel()
+        for _ in range(again):
+            await asyncio.sleep(0)
+            task.cancel()
         try:
             assert isinstance(await task, Admit)  # finished before the cut: nothing to undo
             await store.give_back(keyed(job, 5, "k"))  # not sent either, as a caller would

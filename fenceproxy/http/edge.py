@@ -41,10 +41,10 @@ HTTP version, the HTTP/2 preface) are answered as problems too, and logged in on
 line. A request that carries ``Upgrade`` is answered as plain HTTP/1.1, then the
 connection is closed: nothing sent behind it is read as a request.
 
-This module subclasses aiohttp's ``RequestHandler`` and reads some of its internal
-state (``_request_in_progress``, ``_current_request``, ``_messages``,
-``_request_count``, and a payload's ``_buffer``, emptied of a body nobody reads),
-which is why aiohttp is pinned below its next minor version.
+This module subclasses aiohttp's ``web.Server`` and ``RequestHandler``, makes each
+request with the server's documented ``request_factory``, and reads aiohttp's
+internal state only through :mod:`fenceproxy.http.aiohttp_server`, which names each
+private read and says what the parser's errors mean.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpVersion10, HttpVersion11
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import EmptyStreamReader, StreamReader
 from aiohttp.web_protocol import RequestHandler
@@ -70,22 +70,26 @@ from yarl import URL
 
 from ..config import LimitsSpec
 from ..errors import (
-    BodyTimeout,
     BodyTooLarge,
-    ClientClosedRequest,
     ExpectationFailed,
     HeaderTimeout,
     InternalError,
     ProxyBusy,
     Refusal,
-    RequestHeadTooLarge,
-    RequestMalformed,
     RequestTargetMalformed,
     VersionNotSupported,
 )
 from ..fence.fencing import Digest
 from ..log import server_log
 from ..spool import CHUNK, SpoolFile, SpoolFolder, spool_failure
+from .aiohttp_server import (
+    BODY_FAILURES,
+    HandlerBase,
+    ServerBase,
+    body_refusal,
+    clear_buffer,
+    request_refusal,
+)
 
 __all__ = [
     "PROBLEM_JSON",
@@ -311,17 +315,9 @@ class Bodies:
             try:
                 async with asyncio.timeout(self.timeout) as deadline:
                     chunk = await content.readany()
-            except TimeoutError:
-                if not deadline.expired():
-                    raise ClientClosedRequest("the client's connection timed out") from None
-                raise BodyTimeout(
-                    f"no part of the body arrived for {self.timeout:g}s; nothing was "
-                    "forwarded complete"
-                ) from None
-            except OSError:  # reset, unreachable, ...: the transport says the peer is gone
-                raise ClientClosedRequest("the client's connection closed mid-body") from None
-            except HttpProcessingError as exc:
-                raise RequestMalformed(f"the body's framing is broken: {_first(exc)}") from None
+            except BODY_FAILURES as exc:
+                expired = deadline.expired()
+                raise body_refusal(exc, timeout=self.timeout, expired=expired) from None
             if not chunk:
                 return
             yield chunk
@@ -387,22 +383,13 @@ def _drop(payload: StreamReader) -> None:
     resident until then."""
     if isinstance(payload, EmptyStreamReader):  # a request without a body: shared
         return
-    # Cleared by hand: read_nowait() refuses once the payload has failed, and the
-    # parser goes on appending to a failed payload until the socket is closed.
-    payload._buffer.clear()
-    payload._size = 0
+    clear_buffer(payload)
 
 
 def check_body_size(size: int, limit: int) -> None:
     """BodyTooLarge when ``size`` bytes are above ``limit``."""
     if size > limit:
         raise BodyTooLarge(f"the body is larger than the limit of {limit} bytes", max_body=limit)
-
-
-def _first(exc: HttpProcessingError) -> str:
-    """The parser's reason, without the bytes it quotes after a colon."""
-    text = str(exc.message).splitlines()[0] if exc.message else type(exc).__name__
-    return text.split(":")[0].strip()[:120]
 
 
 # -- the server -------------------------------------------------------------------
@@ -443,7 +430,7 @@ def connection_cap(configured: int) -> int:
     return max(1, min(configured, (soft - _SPARE_FDS) // 2))
 
 
-class ProxyServer(web.Server):
+class ProxyServer(ServerBase):
     """aiohttp's low-level server, with :class:`ClientConnection` for each client and
     the cap on open connections."""
 
@@ -455,7 +442,7 @@ class ProxyServer(web.Server):
         max_connections: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(handler, **kwargs)
+        super().__init__(handler, request_factory=self._new_request, **kwargs)
         self.limits = limits
         self.max_connections = max_connections or connection_cap(limits.max_connections)
         # Every open connection, least recently active first.
@@ -473,12 +460,12 @@ class ProxyServer(web.Server):
     def __call__(self) -> ClientConnection:
         # aiohttp's own lingering (up to 10 s, unbounded in bytes) is replaced by
         # ClientConnection's, bounded by LINGER_FOR and LINGER_BYTES.
-        kwargs = {**self._kwargs, "lingering_time": 0.0}
+        kwargs = {**self.handler_kwargs, "lingering_time": 0.0}
         return ClientConnection(
-            self, loop=self._loop, keepalive_timeout=self.limits.keepalive_timeout, **kwargs
+            self, loop=self.event_loop, keepalive_timeout=self.limits.keepalive_timeout, **kwargs
         )
 
-    def _make_request(
+    def _new_request(
         self,
         message: RawRequestMessage,
         payload: StreamReader,
@@ -505,13 +492,13 @@ class ProxyServer(web.Server):
                 # sent behind it (another protocol's) are never read as a request.
                 message = message._replace(should_close=True)
             try:
-                return web.BaseRequest(message, payload, protocol, writer, task, self._loop)
+                return web.BaseRequest(message, payload, protocol, writer, task, self.event_loop)
             except ValueError:  # UnicodeError included: yarl could not read the host
                 refusal = RequestTargetMalformed("the request target's host is not a valid name")
         message = message._replace(
             version=HttpVersion11, should_close=True, path="/", url=URL("/"), upgrade=False
         )
-        request = RefusedRequest(message, payload, protocol, writer, task, self._loop)
+        request = RefusedRequest(message, payload, protocol, writer, task, self.event_loop)
         request.refusal = refusal
         return request
 
@@ -572,7 +559,7 @@ class _Lingering:
             self._left.set_result(None)
 
 
-class ClientConnection(RequestHandler):
+class ClientConnection(HandlerBase):
     """One client connection: aiohttp's, plus the head timeout, the cap's bookkeeping
     and problem answers for what the parser refuses."""
 
@@ -600,8 +587,8 @@ class ClientConnection(RequestHandler):
     def busy(self) -> bool:
         """Whether the proxy is working for this client: its request is in whole and
         being handled (not idle, not still sending)."""
-        request = self._current_request
-        return self._request_in_progress and request is not None and request.content.is_eof()
+        request = self.current_request
+        return self.request_in_progress and request is not None and request.content.is_eof()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -674,7 +661,7 @@ class ClientConnection(RequestHandler):
         if transport.can_write_eof():
             transport.write_eof()
         _drop(payload)
-        left = self._loop.create_future()
+        left = self.event_loop.create_future()
         self._lingering = _Lingering(left)
         transport.resume_reading()  # the payload may have paused it, full
         try:
@@ -693,15 +680,15 @@ class ClientConnection(RequestHandler):
         if (
             data  # aiohttp calls this with nothing, to parse what it held back
             and self._head_deadline is None
-            and not self._request_in_progress
-            and not self._messages
-            and not self._force_close
+            and not self.request_in_progress
+            and not self.messages_waiting
+            and not self.force_closing
             and (self.body is None or self.body.is_eof())
         ):
             self._arm_head_deadline()  # the first bytes of the next request
-        count = self._request_count
+        count = self.request_count
         super().data_received(data)
-        if self._request_count != count:
+        if self.request_count != count:
             self._disarm_head_deadline()
 
     def handle_error(
@@ -715,17 +702,8 @@ class ClientConnection(RequestHandler):
         a problem, and the connection closed. A parser refusal is logged in one line;
         anything else is a bug, logged with its traceback."""
         refusal: Refusal
-        if isinstance(exc, LineTooLong) or (
-            isinstance(exc, HttpProcessingError) and "Too many headers" in str(exc.message)
-        ):
-            refusal = RequestHeadTooLarge(
-                f"the request line or a header is longer than {self.max_line_size} bytes, "
-                f"or there are more than {self.max_headers} headers"
-            )
-        elif isinstance(exc, HttpProcessingError) and "PRI" in str(exc.message):
-            refusal = VersionNotSupported("this proxy speaks HTTP/1.1, not HTTP/2")
-        elif isinstance(exc, HttpProcessingError):
-            refusal = RequestMalformed(f"the request is not valid HTTP/1.1: {_first(exc)}")
+        if isinstance(exc, HttpProcessingError):
+            refusal = request_refusal(exc, self.max_line_size, self.max_headers)
         elif status == 504:
             refusal = InternalError("the request's handling timed out")
         else:
@@ -746,8 +724,8 @@ class ClientConnection(RequestHandler):
         return response
 
     def _arm_head_deadline(self) -> None:
-        self._head_requests = self._request_count
-        self._head_deadline = self._loop.call_later(
+        self._head_requests = self.request_count
+        self._head_deadline = self.event_loop.call_later(
             self._server.limits.header_timeout, self._head_too_slow
         )
 
@@ -758,9 +736,9 @@ class ClientConnection(RequestHandler):
 
     def _head_too_slow(self) -> None:
         self._head_deadline = None
-        if self._request_count != self._head_requests or self._request_in_progress:
+        if self.request_count != self._head_requests or self.request_in_progress:
             return  # a request came in whole meanwhile
-        if self.transport is not None and not self._force_close:
+        if self.transport is not None and not self.force_closing:
             timeout = self._server.limits.header_timeout
             self.transport.write(
                 _raw_problem(HeaderTimeout(f"the request head did not arrive within {timeout:g}s"))

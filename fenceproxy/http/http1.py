@@ -1,5 +1,6 @@
 """A lean HTTP/1.1 client for the upstreams, and the one boundary where its failures
-become :class:`~fenceproxy.errors.UpstreamError`.
+become :class:`~fenceproxy.errors.UpstreamError` (as the table in
+:mod:`fenceproxy.http.aiohttp_client` says).
 
 One pool of keep-alive connections per upstream origin. A request's head goes out in
 one buffer (with its body when the body is buffered); the answer is parsed by
@@ -41,15 +42,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
 
-from aiohttp.client_exceptions import ClientError
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.http import HttpVersion, RawResponseMessage, StreamWriter
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http import HttpVersion, RawResponseMessage
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from ..errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
+from ..errors import UpstreamFailed
+from .aiohttp_client import (
+    CONNECT_FAILURES,
+    FAILURES,
+    connect_failure,
+    map_failure,
+    stream_writer,
+)
 
 __all__ = ["Origin", "UpstreamResponse", "map_failure"]
 
@@ -67,28 +73,6 @@ _MAX_HEADERS = 128
 # SO_LINGER on, for 0 s: close() drops what is unsent and resets the connection.
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 _CLOSE_GRACEFULLY = struct.pack("ii", 0, 0)
-
-
-def map_failure(exc: BaseException) -> UpstreamError:
-    """What a failure met after the request may have left means to the caller."""
-    if isinstance(exc, UpstreamError):
-        return exc
-    if isinstance(exc, TimeoutError):  # aiohttp's read timeout is one too
-        return UpstreamTimeout("the upstream did not answer in time; it may have applied the write")
-    if isinstance(exc, HttpProcessingError):
-        reason = str(exc.message).splitlines()[0] if exc.message else "unparseable"
-        return UpstreamFailed(
-            f"the upstream's answer was malformed ({reason}); it may have applied the write"
-        )
-    return UpstreamFailed(
-        f"the upstream connection failed after the request was sent ({type(exc).__name__}); "
-        "it may have applied the write"
-    )
-
-
-# What an upstream connection can raise once it is open: aiohttp's client errors
-# (the parser's, the protocol's), the socket's, and the read timeout.
-_FAILURES = (ClientError, HttpProcessingError, OSError, TimeoutError)
 
 
 def _linger(conn: ResponseHandler, how: bytes) -> None:
@@ -154,7 +138,7 @@ class UpstreamResponse:
         try:
             while chunk := await payload.readany():
                 yield chunk
-        except _FAILURES as exc:
+        except FAILURES as exc:
             raise map_failure(exc) from exc
 
     def received_whole(self) -> bytes | None:
@@ -249,7 +233,7 @@ class Origin:
                 max_field_size=_MAX_FIELD,
                 max_headers=_MAX_HEADERS,
             )
-            writer = StreamWriter(conn, conn._loop)
+            writer = stream_writer(conn)
             out: CIMultiDict[str] = CIMultiDict(Host=self.authority if host is None else host)
             out.extend(headers)
             if isinstance(body, bytes | bytearray):
@@ -273,7 +257,7 @@ class Origin:
                 # Interim answers (100 Continue and the like) are not the answer.
                 if not 100 <= message.code < 200 or message.code == 101:
                     break
-        except _FAILURES as exc:
+        except FAILURES as exc:
             await _gone(conn)
             raise map_failure(exc) from exc
         except BaseException:
@@ -318,14 +302,8 @@ class Origin:
                     ssl=self._ssl,
                     server_hostname=self.host if self._ssl is not None else None,
                 )
-        except TimeoutError:
-            raise UpstreamUnreachable(
-                f"could not connect to the upstream within {connect_timeout:g}s"
-            ) from None
-        except OSError as exc:
-            raise UpstreamUnreachable(
-                f"could not connect to the upstream: {exc.strerror or type(exc).__name__}"
-            ) from exc
+        except CONNECT_FAILURES as exc:
+            raise connect_failure(exc, connect_timeout) from exc
         self.opened += 1
         _linger(conn, _RESET_ON_CLOSE)  # so even a process that dies sends no more
         return conn

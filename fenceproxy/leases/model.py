@@ -3,11 +3,17 @@
 Each function takes the job's record as the store holds it (or None), the store's
 ``now``, and returns the new record or the refusal. The store applies the result
 in one transaction. ``now`` always comes from the store's clock, never a worker's.
+
+What a store decides inside its transactions is here too: :func:`decide_write`
+(the fence, the key and, on a lease-checked route, the lease) and
+:func:`decide_lease` (a lease change, held back while an older write may still
+reach the upstream). The store reads the rows, calls them and writes the outcome.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import (
@@ -22,15 +28,18 @@ from ..errors import (
     Refusal,
     WriteInFlight,
 )
-from ..fence.fencing import GENERATION_MAX
+from ..fence.fencing import GENERATION_MAX, Admit, FencedWrite, KeyRecord, Replay, decide
 
 __all__ = [
     "Lease",
+    "LeaseChange",
     "LeaseState",
     "after_writes",
     "check_write",
     "claim",
     "complete",
+    "decide_lease",
+    "decide_write",
     "release",
     "renew",
 ]
@@ -217,3 +226,35 @@ def check_write(lease: Lease | None, job: str, generation: int, now: float) -> L
         job=job,
         generation=generation,
     )
+
+
+LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
+"""A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
+
+
+def decide_write(
+    write: FencedWrite, current: int | None, key: KeyRecord | None, lease: Lease | None, now: float
+) -> Admit | Replay | Refusal:
+    """:func:`~fenceproxy.fence.fencing.decide`, and for a write that would be admitted on a
+    lease-checked route, the lease check: a refused write never raises the fence.
+    ``lease`` is read only when ``write.check_lease``."""
+    decision = decide(write, current, key)
+    if write.check_lease and isinstance(decision, Admit):
+        return check_write(lease, write.job, write.generation, now) or decision
+    return decision
+
+
+def decide_lease(
+    change: LeaseChange,
+    current: Lease | None,
+    fence: int | None,
+    in_flight_until: float | None,
+    now: float,
+) -> Lease | Refusal:
+    """``change`` applied to the job's lease, its fence and the store's ``now``; a
+    claim waits while the job's in-flight record (live until ``in_flight_until``)
+    says an older write may still reach the upstream (:func:`after_writes`)."""
+    result = change(current, fence, now)
+    if isinstance(result, Refusal):
+        return result
+    return after_writes(result, current, in_flight_until, now)

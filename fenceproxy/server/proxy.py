@@ -58,7 +58,6 @@ from ..errors import (
     StoreUnavailable,
     UnsupportedFraming,
     UpstreamError,
-    UpstreamTimeout,
 )
 from ..fence.fencing import (
     SHARED_SCOPE,
@@ -80,7 +79,7 @@ from ..fence.fencing import (
 from ..fence.tokens import SigningKeys, read_token
 from ..http import hdrs
 from ..http.edge import Bodies, HeldBody, check_body_size
-from ..http.http1 import UpstreamResponse
+from ..http.http1 import UpstreamResponse, map_failure
 from ..http.routes import Fence, Route, Router
 from ..http.upstream import (
     TrustedProxies,
@@ -552,10 +551,8 @@ class Proxy:
                             body.release()  # the upstream has it
                             if keyed:
                                 answer, whole = await upstream.read_capped(self._max_stored)
-                except TimeoutError:
-                    raise UpstreamTimeout(
-                        "the upstream did not answer in time; it may have applied the write"
-                    ) from None
+                except TimeoutError as exc:
+                    raise map_failure(exc) from None
                 except UpstreamError as exc:
                     if not exc.sent:
                         outcome, in_doubt = "not-sent", False

@@ -4,12 +4,13 @@ and in-flight records, shared by every proxy that uses it.
 A backend keeps, per job, the highest generation it has accepted and its in-flight
 record (which write may be at the upstream now, until when); per (job, key), by
 whatever route it came, what became of a keyed write; per job its lease. Every
-decision is taken inside one transaction by :func:`decide_write` (the fence, the key
-and, on a lease-checked route, the lease), and committed before the proxy forwards
-anything. Whatever the guarantees rest on lives here, not in a proxy's
-memory: a proxy's own caches (the SQLite store's fences, the proxy's key records)
-are either authoritative because one process owns the store, or only ever refuse
-or replay, never admit.
+decision is taken inside one transaction by
+:func:`~fenceproxy.leases.model.decide_write` (the fence, the key and, on a
+lease-checked route, the lease), and committed before the proxy forwards anything.
+Whatever the guarantees rest on lives here, not in a proxy's memory: a proxy's own
+caches (the SQLite store's fences, the proxy's key records) are either
+authoritative because one process owns the store, or only ever refuse or replay,
+never admit.
 
 Backends: :mod:`.sqlite` (one proxy process per file) and :mod:`.postgres` (any
 number of proxies on one database).
@@ -21,12 +22,12 @@ import abc
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from ..errors import Refusal
+from ..errors import Refusal, StoreError
 from ..fence.fencing import (
     Admit,
     Busy,
@@ -35,9 +36,8 @@ from ..fence.fencing import (
     KeyState,
     Replay,
     StoredResponse,
-    decide,
 )
-from ..leases.model import Lease, LeaseState, after_writes, check_write
+from ..leases.model import Lease, LeaseChange, LeaseState
 from ..log import store_log
 
 __all__ = [
@@ -48,8 +48,6 @@ __all__ = [
     "KeyView",
     "LeaseChange",
     "Store",
-    "decide_lease",
-    "decide_write",
     "job_view",
     "key_not_held",
     "key_record",
@@ -60,9 +58,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-LeaseChange = Callable[[Lease | None, int | None, float], Lease | Refusal]
-"""A lease decision: (the job's lease, its fence, the store's now) -> new lease or refusal."""
+Decision = tuple[Admit | Replay | Refusal | Busy, float]
+"""What :meth:`Store.admit` returns: the decision, and when the store's clock was read."""
 
 
 class Store(abc.ABC):
@@ -70,7 +67,20 @@ class Store(abc.ABC):
 
     Every method raises :class:`~fenceproxy.errors.StoreError` when the backend fails;
     callers fail closed on it. Anything else raised is a bug, and is left to surface.
+
+    What is the same on every backend is here: an admission's give-back when its
+    caller is cancelled (:meth:`admit` around the backend's :meth:`_admit`), the
+    purge loop, the order migrations are applied in, and what a store at another
+    schema version is told. A backend reads and writes its rows.
     """
+
+    backend: ClassVar[str]
+    """The backend's name in messages: ``SQLite``, ``PostgreSQL``."""
+    migrations: ClassVar[Mapping[int, str]]
+    """Each schema version's statements, applied in order in one transaction; the
+    highest version is this build's."""
+    to_migrate: ClassVar[str]
+    """What an operator does to bring a store at an older schema version up to date."""
 
     def __init__(self) -> None:
         self.locks = JobLocks()
@@ -78,8 +88,7 @@ class Store(abc.ABC):
         self.on_commit: Callable[[float, int], object] = lambda seconds, operations: None
         """Told of each commit: how long it took and how many operations it held."""
 
-    @abc.abstractmethod
-    async def admit(self, write: FencedWrite) -> tuple[Admit | Replay | Refusal | Busy, float]:
+    async def admit(self, write: FencedWrite) -> Decision:
         """Decide ``write``. Admitted, it takes the job's in-flight record for
         ``write.hold`` seconds, raises the job's fence and marks its key in flight,
         in one transaction that has committed when this returns. A write that would
@@ -93,7 +102,37 @@ class Store(abc.ABC):
         (which must not send the write) from a queue before it (which is harmless).
 
         Cancelling the caller does not cut the admission short: it completes, and
-        what it took is given back (:meth:`give_back`), since nothing was sent."""
+        what it took is given back (:meth:`give_back`), since nothing was sent, before
+        the cancellation reaches the caller. A second cancellation meanwhile changes
+        nothing of that."""
+        admitting = asyncio.ensure_future(self._admit(write))
+        try:
+            return await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            await to_completion(self._give_back_admitted(admitting, write))
+            raise
+
+    @abc.abstractmethod
+    def _admit(self, write: FencedWrite) -> Awaitable[Decision]:
+        """The admission itself, as :meth:`admit` describes it, minus the care for a
+        cancelled caller: :meth:`admit` never cancels what this returns."""
+
+    async def _give_back_admitted(
+        self, admitting: asyncio.Future[Decision], write: FencedWrite
+    ) -> None:
+        """Once the admission of a write whose caller was cancelled is over, give back
+        what it took, if it was admitted: the write will not be sent."""
+        try:
+            decision, _ = await admitting
+        except Exception:
+            return  # it failed: it took nothing
+        if isinstance(decision, Admit):
+            try:
+                await self.give_back(write)
+            except Exception as exc:
+                store_log.error(
+                    "could not clear an in-flight record (it expires by itself): %s", exc
+                )
 
     @abc.abstractmethod
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
@@ -134,12 +173,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         """Apply ``change`` to the job's lease in one transaction, with the job's fence
-        and the store's clock (:func:`decide_lease`); returns the outcome and that
-        clock's reading. A new lease is written, and the job's fence raised to its
-        generation, so a late write of an older holder is refused by the proxy even
-        before the new holder has written anything. A new generation is not handed out
-        while the job's in-flight record is live; no admission runs between the
-        record's reading and the commit."""
+        and the store's clock (:func:`~fenceproxy.leases.model.decide_lease`); returns
+        the outcome and that clock's reading. A new lease is written, and the job's
+        fence raised to its generation, so a late write of an older holder is refused
+        by the proxy even before the new holder has written anything. A new generation
+        is not handed out while the job's in-flight record is live; no admission runs
+        between the record's reading and the commit."""
 
     @abc.abstractmethod
     async def lease(self, job: str) -> tuple[Lease | None, float]:
@@ -163,6 +202,58 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def purge_expired(self) -> int:
         """Delete idempotency keys and in-flight records past their time; how many."""
+
+    def _start_purging(self, interval: float) -> None:
+        """Purge every ``interval`` seconds until :meth:`_stop_purging`; a purge that
+        fails is tried again at the next one."""
+        self._purger = asyncio.create_task(
+            self._purge_loop(interval), name=f"fenceproxy-{self.backend.lower()}-purge"
+        )
+
+    async def _stop_purging(self) -> None:
+        self._purger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._purger
+
+    async def _purge_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                removed = await self.purge_expired()
+            except StoreError:
+                continue
+            if removed:
+                store_log.info("purged %d expired idempotency keys and in-flight records", removed)
+
+    # -- the schema -----------------------------------------------------------
+
+    @classmethod
+    def _migrations_after(cls, version: int) -> Iterator[tuple[int, str]]:
+        """Each version above ``version`` and its statements, in order, for the caller
+        to apply in its transaction; each is logged once the caller asks for the next."""
+        for target in sorted(v for v in cls.migrations if v > version):
+            yield target, cls.migrations[target]
+            store_log.info("%s store migrated to schema version %d", cls.backend, target)
+
+    @classmethod
+    def _check_version(cls, where: str, version: int, *, migrating: bool = False) -> None:
+        """StoreError unless a store (``where``, as messages name it) at ``version`` is
+        at this build's schema, or, ``migrating``, not above it."""
+        latest = max(cls.migrations)
+        if version == latest or (migrating and version < latest):
+            return
+        store = f"{cls.backend} store {where}"
+        if version > latest:
+            raise StoreError(
+                f"{store} has schema version {version}; this fenceproxy knows up to {latest}: "
+                "run a newer fenceproxy"
+            )
+        if version == 0:
+            raise StoreError(f"{store} is not migrated: {cls.to_migrate}")
+        raise StoreError(
+            f"{store} has schema version {version}, and this fenceproxy needs {latest}: "
+            f"{cls.to_migrate}"
+        )
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -315,43 +406,20 @@ class JobLocks:
 
 async def to_completion(work: Awaitable[T]) -> T:
     """Await ``work``, which runs to its end even if the caller is cancelled meanwhile
-    (the caller still sees the cancellation, once ``work`` is done)."""
+    (the caller still sees the cancellation, once ``work`` is done), however many
+    times it is cancelled meanwhile."""
     task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
-        raise
-
-
-def decide_write(
-    write: FencedWrite, current: int | None, key: KeyRecord | None, lease: Lease | None, now: float
-) -> Admit | Replay | Refusal:
-    """:func:`~fenceproxy.fence.fencing.decide`, and for a write that would be admitted on a
-    lease-checked route, the lease check: a refused write never raises the fence.
-    ``lease`` is read only when ``write.check_lease``."""
-    decision = decide(write, current, key)
-    if write.check_lease and isinstance(decision, Admit):
-        return check_write(lease, write.job, write.generation, now) or decision
-    return decision
-
-
-def decide_lease(
-    change: LeaseChange,
-    current: Lease | None,
-    fence: int | None,
-    in_flight_until: float | None,
-    now: float,
-) -> Lease | Refusal:
-    """``change`` applied to the job's lease, its fence and the store's ``now``; a
-    claim waits while the job's in-flight record (live until ``in_flight_until``)
-    says an older write may still reach the upstream
-    (:func:`~fenceproxy.leases.model.after_writes`)."""
-    result = change(current, fence, now)
-    if isinstance(result, Refusal):
-        return result
-    return after_writes(result, current, in_flight_until, now)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))  # a cancelled wait leaves the task alone
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    if cancelled is not None:
+        if not task.cancelled():
+            task.exception()  # seen: nobody waits for its outcome any more
+        raise cancelled
+    return task.result()
 
 
 def key_not_held(write: FencedWrite, what: str) -> None:

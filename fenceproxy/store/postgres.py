@@ -18,13 +18,12 @@ How a write is admitted, in one transaction:
    and all.
 
 Errors of the driver and the network become :class:`~fenceproxy.errors.StoreError`
-in :meth:`PostgresStore._run`, and nowhere else.
+as :mod:`.asyncpg_errors` says: in :meth:`PostgresStore._run` for every operation,
+and where :meth:`~PostgresStore.open` and :meth:`~PostgresStore.migrate` connect.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -34,17 +33,16 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from ..errors import Refusal, StoreError
-from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leases.model import Lease
+from ..fence.fencing import Admit, Busy, FencedWrite, StoredResponse
+from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
+from .asyncpg_errors import ERRORS, failed
 from .base import (
     JOB_VIEW_SQL,
     JOBS_SQL,
+    Decision,
     JobView,
-    LeaseChange,
     Store,
-    decide_lease,
-    decide_write,
     job_view,
     key_not_held,
     key_record,
@@ -57,15 +55,6 @@ from .base import (
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
 T = TypeVar("T")
-# What the driver and the network raise when the database fails, refuses, or goes
-# away mid-operation (a lost connection can leave the protocol in an internal error).
-_DRIVER_ERRORS = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.InternalClientError,
-)
 
 if TYPE_CHECKING:  # subscriptable in the type stubs only
     from asyncpg.pool import PoolConnectionProxy
@@ -223,6 +212,10 @@ class PostgresStore(Store):
     """Fences, idempotency keys, leases and in-flight records in PostgreSQL.
     Open with :meth:`open`; the database must have been migrated first."""
 
+    backend = "PostgreSQL"
+    migrations = _MIGRATIONS
+    to_migrate = "run fenceproxy migrate -c FILE"
+
     def __init__(
         self,
         pool: asyncpg.Pool,
@@ -240,9 +233,7 @@ class PostgresStore(Store):
         self._where = where
         self._acquire_timeout = acquire_timeout
         self._closing = False
-        self._purger = asyncio.create_task(
-            self._purge_loop(purge_interval), name="fenceproxy-postgres-purge"
-        )
+        self._start_purging(purge_interval)
 
     @classmethod
     async def open(
@@ -268,17 +259,19 @@ class PostgresStore(Store):
                 timeout=connect_timeout,
                 command_timeout=connect_timeout * 2,
             )
-        except _DRIVER_ERRORS as exc:
-            raise StoreError(f"cannot connect to the PostgreSQL store {where}: {exc}") from exc
+        except ERRORS as exc:
+            raise failed(f"cannot connect to the PostgreSQL store {where}", exc) from exc
         try:
             async with pool.acquire() as conn:
                 version = await _schema_version(conn)
-        except _DRIVER_ERRORS as exc:
+        except ERRORS as exc:
             await pool.close()
-            raise StoreError(f"cannot read the PostgreSQL store {where}: {exc}") from exc
-        if version != SCHEMA_VERSION:
+            raise failed(f"cannot read the PostgreSQL store {where}", exc) from exc
+        try:
+            cls._check_version(where, version)
+        except StoreError:
             await pool.close()
-            raise StoreError(_version_problem(where, version))
+            raise
         return cls(
             pool,
             key_ttl=key_ttl,
@@ -288,9 +281,9 @@ class PostgresStore(Store):
             acquire_timeout=connect_timeout,
         )
 
-    @staticmethod
+    @classmethod
     async def migrate(
-        dsn: str, *, password: str | None = None, connect_timeout: float = 5.0
+        cls, dsn: str, *, password: str | None = None, connect_timeout: float = 5.0
     ) -> tuple[int, int]:
         """Bring the database to the current schema, in one transaction that holds an
         advisory lock (two migrations at once take turns); the versions before and
@@ -298,8 +291,8 @@ class PostgresStore(Store):
         where = _where(dsn)
         try:
             conn = await asyncpg.connect(dsn, password=password, timeout=connect_timeout)
-        except _DRIVER_ERRORS as exc:
-            raise StoreError(f"cannot connect to the PostgreSQL store {where}: {exc}") from exc
+        except ERRORS as exc:
+            raise failed(f"cannot connect to the PostgreSQL store {where}", exc) from exc
         try:
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
@@ -307,25 +300,23 @@ class PostgresStore(Store):
                     f"CREATE TABLE IF NOT EXISTS {_VERSION_TABLE} (version integer NOT NULL)"
                 )
                 version = await _schema_version(conn)
-                if version > SCHEMA_VERSION:
-                    raise StoreError(_version_problem(where, version))
-                for target in sorted(v for v in _MIGRATIONS if v > version):
-                    await conn.execute(_MIGRATIONS[target])
-                    store_log.info("PostgreSQL store migrated to schema version %d", target)
+                cls._check_version(where, version, migrating=True)
+                for _, statements in cls._migrations_after(version):
+                    await conn.execute(statements)
                 await conn.execute(f"DELETE FROM {_VERSION_TABLE}")
                 await conn.execute(
                     f"INSERT INTO {_VERSION_TABLE} (version) VALUES ($1)", SCHEMA_VERSION
                 )
-        except _DRIVER_ERRORS as exc:
-            raise StoreError(f"migrating the PostgreSQL store {where} failed: {exc}") from exc
+        except ERRORS as exc:
+            raise failed(f"migrating the PostgreSQL store {where} failed", exc) from exc
         finally:
             await conn.close()
         return version, SCHEMA_VERSION
 
     # -- the interface --------------------------------------------------------
 
-    async def admit(self, write: FencedWrite) -> tuple[Admit | Replay | Refusal | Busy, float]:
-        async def tx(conn: _Conn) -> tuple[Admit | Replay | Refusal | Busy, float]:
+    def _admit(self, write: FencedWrite) -> Awaitable[Decision]:
+        async def tx(conn: _Conn) -> Decision:
             clock = self._clock()
             recorded_at = time.monotonic()  # the record is dated after this
             _, got, state, expires = await _one(
@@ -363,14 +354,7 @@ class PostgresStore(Store):
                 )
             return decision, recorded_at
 
-        admitting = asyncio.ensure_future(self._run(tx))
-        try:
-            return await asyncio.shield(admitting)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                if isinstance((await admitting)[0], Admit):
-                    await self.give_back(write)
-            raise
+        return self._run(tx)
 
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
         async def tx(conn: _Conn) -> None:
@@ -478,9 +462,7 @@ class PostgresStore(Store):
         return await self._run(tx, transaction=False)
 
     async def check(self) -> None:
-        version = await self._run(_schema_version, transaction=False)
-        if version != SCHEMA_VERSION:
-            raise StoreError(_version_problem(self._where, version))
+        self._check_version(self._where, await self._run(_schema_version, transaction=False))
 
     async def purge_expired(self) -> int:
         async def tx(conn: _Conn) -> int:
@@ -504,9 +486,7 @@ class PostgresStore(Store):
         if self._closing:
             return
         self._closing = True
-        self._purger.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._purger
+        await self._stop_purging()
         await self._pool.close()
 
     # -- the one boundary ----------------------------------------------------
@@ -530,9 +510,9 @@ class PostgresStore(Store):
                     return undo.outcome  # type: ignore[no-any-return]
                 self.on_commit(time.monotonic() - started, 1)
                 return result
-        except _DRIVER_ERRORS as exc:
+        except ERRORS as exc:
             store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
-            raise StoreError(f"PostgreSQL store failed: {type(exc).__name__}: {exc}") from exc
+            raise failed(f"PostgreSQL store failed: {type(exc).__name__}", exc) from exc
 
     async def _update_key(self, write: FencedWrite, assignments: str, *values: Any) -> None:
         async def tx(conn: _Conn) -> None:
@@ -555,16 +535,6 @@ class PostgresStore(Store):
 
         await to_completion(self._run(tx, transaction=False))
 
-    async def _purge_loop(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                removed = await self.purge_expired()
-            except StoreError:
-                continue
-            if removed:
-                store_log.info("purged %d expired idempotency keys and in-flight records", removed)
-
 
 class _Undo(Exception):
     """Roll the transaction back and answer ``outcome``."""
@@ -579,20 +549,6 @@ async def _schema_version(conn: _Conn | asyncpg.Connection) -> int:
     if not exists:
         return 0
     return int(await conn.fetchval(f"SELECT coalesce(max(version), 0) FROM {_VERSION_TABLE}"))
-
-
-def _version_problem(where: str, version: int) -> str:
-    if version > SCHEMA_VERSION:
-        return (
-            f"PostgreSQL store {where} has schema version {version}; this fenceproxy knows up "
-            f"to {SCHEMA_VERSION}: run a newer fenceproxy"
-        )
-    if version == 0:
-        return f"PostgreSQL store {where} is not migrated: run fenceproxy migrate -c FILE"
-    return (
-        f"PostgreSQL store {where} has schema version {version}, and this fenceproxy needs "
-        f"{SCHEMA_VERSION}: run fenceproxy migrate -c FILE"
-    )
 
 
 def _where(dsn: str) -> str:

@@ -38,18 +38,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
-from ..errors import Refusal, StoreError, StoreLocked
-from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leases.model import Lease
+from ..errors import Refusal, StoreError
+from ..fence.fencing import Admit, Busy, FencedWrite, StoredResponse
+from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
+from . import sqlite_errors
 from .base import (
     JOB_VIEW_SQL,
     JOBS_SQL,
+    Decision,
     JobView,
-    LeaseChange,
     Store,
-    decide_lease,
-    decide_write,
     job_view,
     key_not_held,
     key_record,
@@ -172,6 +171,10 @@ class SQLiteStore(Store):
     """Fences, idempotency keys, leases and in-flight records in one SQLite file.
     Open with :meth:`open`."""
 
+    backend = "SQLite"
+    migrations = _MIGRATIONS
+    to_migrate = "stop every proxy using it, then run: fenceproxy migrate -c FILE"
+
     def __init__(
         self,
         conn: sqlite3.Connection,
@@ -180,9 +183,11 @@ class SQLiteStore(Store):
         key_ttl: float,
         clock: Callable[[], float],
         purge_interval: float,
+        where: str,
     ) -> None:
         super().__init__()
         self._conn = conn
+        self._where = where
         self._thread = thread
         self._key_ttl = key_ttl
         self._clock = clock
@@ -193,9 +198,7 @@ class SQLiteStore(Store):
         """Transactions committed so far; fewer than operations under load."""
         self._fences: dict[str, int | None] = {}
         self._writer = asyncio.create_task(self._write_loop(), name="fenceproxy-sqlite-writer")
-        self._purger = asyncio.create_task(
-            self._purge_loop(purge_interval), name="fenceproxy-sqlite-purge"
-        )
+        self._start_purging(purge_interval)
 
     @classmethod
     async def open(
@@ -215,29 +218,36 @@ class SQLiteStore(Store):
         (an older one is brought up to date by :meth:`migrate`).
         """
 
+        where = repr(str(path))
+
         def prepare(conn: sqlite3.Connection) -> None:
             version = _schema_version(conn, path)
             if version == 0:
                 _apply_migrations(conn, 0)
-            elif version != SCHEMA_VERSION:
-                raise StoreError(_version_problem(str(path), version))
+            else:
+                cls._check_version(where, version)
             conn.execute("COMMIT")
 
         thread, conn = await _open(path, synchronous, prepare)
-        return cls(conn, thread, key_ttl=key_ttl, clock=clock, purge_interval=purge_interval)
+        return cls(
+            conn,
+            thread,
+            key_ttl=key_ttl,
+            clock=clock,
+            purge_interval=purge_interval,
+            where=where,
+        )
 
-    @staticmethod
-    async def migrate(path: str | Path) -> tuple[int, int]:
+    @classmethod
+    async def migrate(cls, path: str | Path) -> tuple[int, int]:
         """Bring the store at ``path`` (created if missing) to the current schema, in
         one transaction; returns the versions before and after. Raises as :meth:`open`."""
         versions: list[int] = []
 
         def upgrade(conn: sqlite3.Connection) -> None:
             version = _schema_version(conn, path)
-            if version > SCHEMA_VERSION:
-                raise StoreError(_version_problem(str(path), version))
-            if version < SCHEMA_VERSION:
-                _apply_migrations(conn, version)
+            cls._check_version(repr(str(path)), version, migrating=True)
+            _apply_migrations(conn, version)
             conn.execute("COMMIT")
             versions.append(version)
 
@@ -248,8 +258,8 @@ class SQLiteStore(Store):
 
     # -- the interface --------------------------------------------------------
 
-    async def admit(self, write: FencedWrite) -> tuple[Admit | Replay | Refusal | Busy, float]:
-        def op(tx: _Batch) -> tuple[Admit | Replay | Refusal | Busy, float]:
+    def _admit(self, write: FencedWrite) -> asyncio.Future[Decision]:
+        def op(tx: _Batch) -> Decision:
             recorded_at = time.monotonic()  # the record is dated after this
             now = self._clock()
             current = tx.fence(write.job)
@@ -283,14 +293,7 @@ class SQLiteStore(Store):
                 )
             return decision, recorded_at
 
-        admitting = self._enqueue(op)
-        try:
-            return await admitting  # type: ignore[no-any-return]
-        except asyncio.CancelledError:
-            # The admission still runs in its batch. Undone right after it, in order,
-            # whatever it took: rows held by this write's turn, which nothing else holds.
-            self._enqueue(lambda tx: _give_back(tx, write)).add_done_callback(_log_failure)
-            raise
+        return self._enqueue(op)
 
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
         def op(tx: _Batch) -> None:
@@ -383,9 +386,7 @@ class SQLiteStore(Store):
         def op(tx: _Batch) -> int:
             return int(tx.one("PRAGMA user_version", ())[0])
 
-        version = await self._submit(op)
-        if version != SCHEMA_VERSION:
-            raise StoreError(f"the SQLite store has schema version {version}, not {SCHEMA_VERSION}")
+        self._check_version(self._where, await self._submit(op))
 
     async def purge_expired(self) -> int:
         def op(tx: _Batch) -> int:
@@ -405,10 +406,8 @@ class SQLiteStore(Store):
         if self._closing:
             return
         self._closing = True
-        self._purger.cancel()
         self._wake.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._purger
+        await self._stop_purging()
         if not self._writer.done():  # one that stopped already has nothing to finish
             await self._writer
         await asyncio.get_running_loop().run_in_executor(self._thread, self._conn.close)
@@ -500,26 +499,16 @@ class SQLiteStore(Store):
                 self.commits += 1
         except Exception as exc:
             if tx.began:
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*sqlite_errors.ERRORS):
                     self._conn.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
+            if isinstance(exc, sqlite_errors.ERRORS):
                 store_log.error("SQLite transaction of %d operations failed: %s", len(ops), exc)
-                return results, StoreError(f"SQLite store failed: {exc}")
+                return results, sqlite_errors.failed(exc)
             return results, exc  # a bug in an operation: its caller sees it as it is
         if len(self._fences) > _FENCE_CACHE_MAX:
             self._fences.clear()
         self._fences.update(tx.fences)  # committed: now the store's truth
         return results, None
-
-    async def _purge_loop(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                removed = await self.purge_expired()
-            except StoreError:
-                continue
-            if removed:
-                store_log.info("purged %d expired idempotency keys and in-flight records", removed)
 
 
 class _Batch:
@@ -573,17 +562,6 @@ class _Batch:
         self.fences[job] = max(generation, self.fence(job) or 0)
 
 
-def _give_back(tx: _Batch, write: FencedWrite) -> None:
-    """Drop the in-flight record and the key ``write``'s turn holds, if any."""
-    tx.write("DELETE FROM inflight WHERE job = ? AND holder = ?", (write.job, write.turn))
-    if write.key is not None:
-        tx.write(
-            "DELETE FROM idempotency_keys WHERE job = ? AND key = ?"
-            " AND state = 'in_flight' AND holder = ?",
-            (write.job, write.key, write.turn),
-        )
-
-
 def _log_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and (exc := future.exception()) is not None:
         store_log.error("could not clear an in-flight record (it expires by itself): %s", exc)
@@ -599,7 +577,7 @@ async def _open(
     def connect() -> sqlite3.Connection:
         try:
             conn = sqlite3.connect(str(path), isolation_level=None, timeout=2.0)
-        except sqlite3.Error as exc:
+        except sqlite_errors.ERRORS as exc:
             _raise_opening_error(path, exc)
         try:
             conn.execute("PRAGMA locking_mode = EXCLUSIVE")
@@ -635,36 +613,18 @@ def _schema_version(conn: sqlite3.Connection, path: str | Path) -> int:
 
 
 def _apply_migrations(conn: sqlite3.Connection, version: int) -> None:
-    for target in sorted(v for v in _MIGRATIONS if v > version):
-        for statement in filter(str.strip, _MIGRATIONS[target].split(";")):
+    for target, statements in SQLiteStore._migrations_after(version):
+        for statement in filter(str.strip, statements.split(";")):
             conn.execute(statement)
         conn.execute(f"PRAGMA user_version = {target}")
-        store_log.info("SQLite store migrated to schema version %d", target)
-
-
-def _version_problem(path: str, version: int) -> str:
-    if version > SCHEMA_VERSION:
-        return (
-            f"SQLite store {path!r} has schema version {version}; this fenceproxy knows up "
-            f"to {SCHEMA_VERSION}: run a newer fenceproxy"
-        )
-    return (
-        f"SQLite store {path!r} has schema version {version}, and this fenceproxy needs "
-        f"{SCHEMA_VERSION}: stop every proxy using it, then run: fenceproxy migrate -c FILE"
-    )
 
 
 def _raise_opening_error(path: str | Path, exc: BaseException) -> NoReturn:
     """Raise an opening failure as StoreError (StoreLocked when another process holds
     the file); anything but an SQLite error as it is."""
-    if not isinstance(exc, sqlite3.Error):
+    if not isinstance(exc, sqlite_errors.ERRORS):
         raise exc
-    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-        raise StoreLocked(
-            f"SQLite store {str(path)!r} is in use by another process; one proxy per SQLite file"
-        ) from exc
-    why = folder_problem(path) or str(exc)
-    raise StoreError(f"cannot open SQLite store {str(path)!r}: {why}") from exc
+    raise sqlite_errors.opening_failed(str(path), exc, folder_problem(path)) from exc
 
 
 def folder_problem(path: str | Path) -> str | None:

@@ -1,0 +1,47 @@
+"""The one place where :mod:`asyncpg`'s and the network's errors become
+:class:`~fenceproxy.errors.StoreError`: the PostgreSQL store catches :data:`ERRORS`,
+and only them, and says with :func:`failed` what it was doing.
+
+Every row fails closed the same way, whatever the SQLSTATE: a proxy that cannot
+read or record a fence refuses the write (503), and the server rolls back what
+was not committed, so nothing is half-applied. asyncpg's warnings
+(``PostgresWarning``, ``InterfaceWarning``) are reported through the log, never
+raised.
+
+==============================================  =========================================
+raised                                          means
+==============================================  =========================================
+``asyncpg.PostgresError`` (any SQLSTATE)        the server refused or failed a statement,
+                                                or ended the session (``57P01`` ...)
+``asyncpg.InterfaceError``                      the driver: the connection was closed,
+                                                a misconfigured DSN, an unsupported feature
+``asyncpg.exceptions.InternalClientError``      the protocol's state was lost mid-operation
+                                                (a connection dropped during a reply)
+``OSError``                                     the network: refused, reset, unreachable
+``TimeoutError``                                connecting, a pooled connection, or a
+                                                command took too long
+==============================================  =========================================
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from ..errors import StoreError
+
+__all__ = ["ERRORS", "failed"]
+
+ERRORS: tuple[type[Exception], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+"""What the PostgreSQL store catches wherever it talks to the database."""
+
+
+def failed(doing: str, exc: Exception) -> StoreError:
+    """The StoreError for ``exc``, met while ``doing`` (a sentence's start that names
+    the store, such as ``cannot connect to the PostgreSQL store host/db``)."""
+    return StoreError(f"{doing}: {exc}")
