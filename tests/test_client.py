@@ -16,6 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.client import LeaseClient, LeaseLost, LeaseRefused, LeaseServiceError
+from fenceproxy.client.core import Call
+from fenceproxy.client.flow import Reply
 from fenceproxy.server.lease_api import LeaseService
 from fenceproxy.testing import FakeClock, RecordingUpstream
 
@@ -265,9 +267,10 @@ async def test_an_odd_renewal_answer_loses_the_lease_and_stops_the_body(
 
 
 class SlowCompleteReply(LeaseClient):
-    async def complete(self, job: str, owner: str, generation: int) -> dict[str, Any]:
-        answer = await super().complete(job, owner, generation)
-        await asyncio.sleep(0.3)  # the reply takes a while to come back
+    async def _send(self, call: Call) -> Reply:
+        answer = await super()._send(call)
+        if call.url.endswith("/complete"):
+            await asyncio.sleep(0.3)  # the reply takes a while to come back
         return answer
 
 
@@ -296,9 +299,9 @@ async def test_a_renewal_answered_after_the_deadline_does_not_revive_the_lease(
         await asyncio.sleep(0)
 
     class SlowRenewReply(LeaseClient):
-        async def _call(self, method, job, action, body, within=None):  # type: ignore[no-untyped-def]
-            answer = await super()._call(method, job, action, body, within)
-            if action == "renew":
+        async def _send(self, call: Call) -> Reply:
+            answer = await super()._send(call)
+            if call.url.endswith("/renew"):
                 fc.advance(18)  # sent at 10, answered at 28; the lease's deadline was 27
             return answer
 

@@ -1,5 +1,7 @@
 """The lease clients: :class:`LeaseClient` in a coroutine, :class:`SyncLeaseClient`
-in a thread; one set of rules (:mod:`.core`) for both.
+in a thread; one set of rules (:mod:`.core`) and one flow of each step
+(:mod:`.flow`) for both, which differ only in how they do the I/O (:mod:`.aio`,
+:mod:`.sync`, and :mod:`.adapter` for httpx).
 
 A worker claims a job, holds its lease while it works (renewed in the background),
 adds the lease's fencing headers to every write it sends through the proxy, and

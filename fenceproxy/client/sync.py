@@ -12,72 +12,37 @@ RQ, Dramatiq, cron scripts, Django commands):
 A thread renews the lease in the background. A thread cannot interrupt the
 worker's code, so the worker asks: :meth:`SyncHeldLease.check`,
 :meth:`~SyncHeldLease.headers` and :meth:`~SyncHeldLease.request` raise LeaseLost
-once a renewal was refused or the local deadline passed without one. The rules are
-:mod:`fenceproxy.client.core`'s, shared with the async client.
+once a renewal was refused or the local deadline passed without one. The steps are
+:mod:`fenceproxy.client.flow`'s and the rules :mod:`fenceproxy.client.core`'s, shared
+with the async client; this module does their I/O in the calling thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import httpx
 
-from ..errors import LeaseLost, LeaseRefused, LeaseServiceError
-from ..log import lease_log
-from .core import EXPIRED, Endpoint, Grant, Holding, Patience, holder, late, retry_after
+from .adapter import send
+from .base import Held, LeaseAPI
+from .core import Call, Grant, Holding
+from .flow import Flow, Record, Reply, Write, run
 
 __all__ = ["SyncHeldLease", "SyncLeaseClient"]
 
 
-class _Answer(Protocol):
-    """What :meth:`SyncHeldLease.request` reads of an answer: httpx's or requests'."""
-
-    status_code: int
-    content: bytes
-
-    @property
-    def headers(self) -> Any: ...
-
-
-class SyncLeaseClient:
+class SyncLeaseClient(
+    LeaseAPI[httpx.Client, Callable[[float], None], "SyncHeldLease", Grant, Record]
+):
     """A client of the lease API at ``url`` (the proxy's address), without asyncio.
     Usable as a context manager (it closes its connections on exit) or as is."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        prefix: str = "/_leases",
-        token: str | None = None,
-        http: httpx.Client | None = None,
-        margin: float = 0.1,
-        request_timeout: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        """The same options as :class:`~fenceproxy.client.LeaseClient`; ``http`` is an
-        httpx client of yours to send with."""
-        self.endpoint = Endpoint(url, prefix, token, margin, request_timeout)
-        self._http = http or httpx.Client()
-        self._own_http = http is None
-        self.clock = clock
-        self.sleep = sleep
-
-    @property
-    def margin(self) -> float:
-        return self.endpoint.margin
-
-    @property
-    def request_timeout(self) -> float:
-        return self.endpoint.request_timeout
-
     def close(self) -> None:
-        if self._own_http:
+        if self._own_http and self._http is not None:
             self._http.close()
 
     def __enter__(self) -> SyncLeaseClient:
@@ -86,121 +51,27 @@ class SyncLeaseClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- one call each ----------------------------------------------------------
+    def _send(self, call: Call) -> Reply:
+        assert self._http is not None, "made with the client"
+        return send(self._http, call, self.endpoint.base)
 
-    def claim(self, job: str, owner: str | None, ttl: float | None = None) -> Grant:
-        """Claim ``job``; see :meth:`fenceproxy.client.LeaseClient.claim`."""
-        body = holder(owner)
-        if ttl is not None:
-            body["ttl"] = ttl
-        return self._grant(job, "claim", body, None)
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client()
 
-    def renew(
-        self,
-        job: str,
-        owner: str | None,
-        generation: int,
-        ttl: float | None = None,
-        *,
-        within: float | None = None,
-        not_after: float | None = None,
-    ) -> Grant:
-        body = holder(owner, generation)
-        if ttl is not None:
-            body["ttl"] = ttl
-        return self._grant(job, "renew", body, within, not_after)
+    def _default_sleep(self) -> Callable[[float], None]:
+        return time.sleep
 
-    def complete(self, job: str, owner: str | None, generation: int) -> dict[str, Any]:
-        return self._call("POST", job, "complete", holder(owner, generation))
-
-    def release(
-        self, job: str, owner: str | None, generation: int, *, within: float | None = None
-    ) -> dict[str, Any]:
-        return self._call("POST", job, "release", holder(owner, generation), within)
-
-    def show(self, job: str) -> dict[str, Any]:
-        return self._call("GET", job, None, None)
-
-    def hold(
-        self,
-        job: str,
-        *,
-        owner: str | None = None,
-        ttl: float | None = None,
-        renew_every: float | None = None,
-        wait: float = 0.0,
-    ) -> SyncHeldLease:
-        """Claim ``job`` (waiting up to ``wait`` seconds while another worker holds
-        it) and keep it for the duration of a ``with`` block."""
-        holding = Holding(job, owner, ttl, renew_every, self.margin, self.clock)
+    def _held(self, holding: Holding, wait: float) -> SyncHeldLease:
         return SyncHeldLease(self, holding, wait)
 
-    def claim_waiting(self, holding: Holding, wait: float) -> Grant:
-        patience = Patience(wait, self.clock)
-        while True:
-            try:
-                return self.claim(holding.job_id, holding.owner, holding.ttl)
-            except LeaseRefused as refused:
-                delay = patience.next(refused)
-                if delay is None:
-                    raise
-                lease_log.info("job %r is held; claiming again in %.3fs", holding.job_id, delay)
-                self.sleep(delay)
+    def _grant(self, flow: Flow[Grant]) -> Grant:
+        return run(flow, _Blocking(self))
 
-    # -- plumbing ---------------------------------------------------------------
-
-    def _grant(
-        self,
-        job: str,
-        action: str,
-        body: dict[str, Any],
-        within: float | None,
-        not_after: float | None = None,
-    ) -> Grant:
-        sent = self.clock()
-        grant = self.endpoint.grant(action, self._call("POST", job, action, body, within), sent)
-        lost = late(action, grant, self.clock(), not_after)
-        if lost is not None:
-            if action == "claim":  # the store thinks we hold it: give it back
-                with contextlib.suppress(Exception):
-                    within = self.endpoint.give_back_within
-                    self.release(job, body.get("owner"), grant.generation, within=within)
-            raise lost
-        return grant
-
-    def _call(
-        self,
-        method: str,
-        job: str,
-        action: str | None,
-        body: dict[str, Any] | None,
-        within: float | None = None,
-    ) -> dict[str, Any]:
-        call = self.endpoint.call(method, job, action, body, within)
-        # Over within the call's time as a whole: httpx bounds each read, and an answer
-        # that trickles in could otherwise hold a lease's calls past its deadline.
-        deadline = self.clock() + call.timeout
-        try:
-            with self._http.stream(
-                call.method,
-                call.url,
-                json=call.body,
-                headers=call.headers,
-                timeout=httpx.Timeout(call.timeout),
-            ) as answer:
-                content = bytearray()
-                for chunk in answer.iter_bytes():
-                    if self.clock() > deadline:
-                        raise httpx.ReadTimeout(f"no whole answer within {call.timeout:g}s")
-                    content += chunk
-        except httpx.HTTPError as exc:
-            raise LeaseServiceError(
-                f"lease service at {self.endpoint.base}: {type(exc).__name__}: {exc}"
-            ) from exc
-        return self.endpoint.read(answer.status_code, bytes(content))
+    def _record(self, flow: Flow[Record]) -> Record:
+        return run(flow, _Blocking(self))
 
 
-class SyncHeldLease:
+class SyncHeldLease(Held[SyncLeaseClient]):
     """A lease kept alive by a background thread for the duration of ``with``.
 
     Ask :meth:`check` (or :attr:`lost`) between steps; :meth:`headers` and
@@ -210,40 +81,9 @@ class SyncHeldLease:
     """
 
     def __init__(self, client: SyncLeaseClient, holding: Holding, wait: float) -> None:
-        self._client = client
-        self._holding = holding
-        self._wait = wait
-        self.job_id = holding.job_id
-        self.owner = holding.owner
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # one call to the service at a time per lease
-        self._renewer: threading.Thread | None = None
-
-    # -- what the worker uses ---------------------------------------------------
-
-    @property
-    def generation(self) -> int:
-        return self._holding.granted().generation
-
-    @property
-    def token(self) -> str:
-        return self._holding.granted().token
-
-    @property
-    def deadline(self) -> float:
-        return self._holding.granted().deadline
-
-    @property
-    def lost(self) -> bool:
-        return self._holding.lost
-
-    def check(self) -> None:
-        """Raise LeaseLost once the lease is lost, ended or past its local deadline."""
-        self._holding.check()
-
-    def headers(self) -> dict[str, str]:
-        """The fencing headers for a write under this lease; LeaseLost once it is lost."""
-        return self._holding.headers()
+        super().__init__(client, holding, wait)
+        self._io = _HeldIO(self)
+        self._renewer: _Renewer | None = None
 
     def request(self, http: Any, method: str, url: str, **kwargs: Any) -> Any:
         """Send a write under this lease with ``http`` (an ``httpx.Client`` or a
@@ -251,37 +91,19 @@ class SyncHeldLease:
         nothing was applied is sent again after its ``Retry-After`` while the lease
         lasts (keep an ``Idempotency-Key`` in ``headers``); any other answer is
         returned as it is: check its status."""
-        extra = dict(kwargs.pop("headers", None) or {})
-        attempt = 0
-        while True:
-            answer: _Answer = http.request(
-                method, url, headers={**extra, **self.headers()}, **kwargs
-            )
-            delay = retry_after(
-                answer.status_code, answer.headers, answer.content, self._holding.left(), attempt
-            )
-            if delay is None:
-                return answer
-            self._client.sleep(delay)
-            attempt += 1
+        return run(self._flows.write(self._holding, http, method, url, kwargs), self._io)
 
     def complete(self) -> None:
         """Complete the job; LeaseLost if the service refuses, LeaseServiceError if it
         cannot be reached (calling again is safe)."""
-        self._end(self._client.complete)
+        run(self._flows.end(self._holding, "complete"), self._io)
 
     def release(self) -> None:
         """Give the job up for another worker to claim."""
-        self._end(self._client.release)
-
-    # -- the context manager ----------------------------------------------------
+        run(self._flows.end(self._holding, "release"), self._io)
 
     def __enter__(self) -> SyncHeldLease:
-        self._holding.taken(self._client.claim_waiting(self._holding, self._wait))
-        self._renewer = threading.Thread(
-            target=self._keep_alive, name=f"fenceproxy-renew-{self.job_id}", daemon=True
-        )
-        self._renewer.start()
+        run(self._flows.enter(self._holding, self._wait), self._io)
         return self
 
     def __exit__(
@@ -290,86 +112,92 @@ class SyncHeldLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Literal[False]:
-        self._stop_renewing()
-        holding = self._holding
-        holding.leaving()
-        if holding.lost_why is not None:
-            if exc_type is None:
-                raise LeaseLost(holding.lost_why)
-            if issubclass(exc_type, LeaseLost):
-                return False
-            raise LeaseLost(holding.lost_why) from exc
-        if not holding.ended:
-            left = holding.left()
-            if left > 0:
-                with contextlib.suppress(LeaseRefused, LeaseServiceError):
-                    self._client.release(self.job_id, self.owner, self.generation, within=left)
-            holding.ended = True
+        run(self._flows.leave(self._holding, exc), self._io)
         return False
 
-    # -- internals ----------------------------------------------------------------
+    def _start_renewing(self) -> None:
+        self._renewer = _Renewer(self._client, self._holding)
 
-    def _end(self, call: Callable[..., dict[str, Any]]) -> None:
-        holding = self._holding
-        # Not while a renewal is on the wire (it would be refused), nor past the lease.
-        if not self._lock.acquire(timeout=max(0.0, holding.left())):
-            self._holding.lose(EXPIRED)
-            raise LeaseLost(EXPIRED)
-        try:
-            if holding.lost_why is not None:
-                raise LeaseLost(holding.lost_why)
-            try:
-                call(self.job_id, self.owner, self.generation)
-            except LeaseRefused as exc:
-                self._holding.lose(f"the lease service refused: {exc}")
-                raise LeaseLost(holding.lost_why or str(exc)) from exc
-            holding.ended = True
-        finally:
-            self._lock.release()
-        self._stop_renewing()
-
-    def _stop_renewing(self) -> None:
-        self._stop.set()
+    def _stop_renewing(self) -> bool:
+        """Stop the renewer; whether it stopped before the local deadline."""
         renewer, self._renewer = self._renewer, None
-        if renewer is not None and renewer is not threading.current_thread():
-            renewer.join()
+        return renewer is None or renewer.stop(self._holding.left())
 
-    def _keep_alive(self) -> None:
+
+class _Blocking:
+    """The ops of a client's flows, done in the calling thread."""
+
+    def __init__(self, client: SyncLeaseClient) -> None:
+        self.client = client
+
+    def send(self, call: Call) -> Reply:
+        return self.client._send(call)
+
+    def sleep(self, seconds: float) -> None:
+        self.client.sleep(seconds)
+
+
+class _HeldIO(_Blocking):
+    """... and of a held lease's: the worker's writes, the renewer thread paused
+    (stopped, once a renewal on the wire is answered) and resumed."""
+
+    def __init__(self, lease: SyncHeldLease) -> None:
+        super().__init__(lease._client)
+        self.lease = lease
+
+    @staticmethod
+    def write(write: Write) -> Any:
+        return write.http.request(write.method, write.url, **write.kwargs)
+
+    def pause(self) -> bool:
+        return self.lease._stop_renewing()
+
+    def resume(self) -> None:
+        self.lease._start_renewing()
+
+
+class _Stopped(BaseException):
+    """Thrown into a renewer's flow when it is stopped, as a task is cancelled."""
+
+
+class _Renewer:
+    """The thread that renews a lease, doing the ops of its flow: its waits end the
+    moment it is stopped, and its calls are made one at a time, so that stopping it
+    can wait for the one on the wire."""
+
+    def __init__(self, client: SyncLeaseClient, holding: Holding) -> None:
+        self._client = client
+        self._holding = holding
+        self._stopped = threading.Event()
+        self._on_the_wire = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run, name=f"fenceproxy-renew-{holding.job_id}", daemon=True
+        )
+        self._thread.start()
+
+    def send(self, call: Call) -> Reply:
+        with self._on_the_wire:
+            if self._stopped.is_set():
+                raise _Stopped
+            return self._client._send(call)
+
+    def sleep(self, seconds: float) -> None:
+        if self._stopped.wait(seconds):
+            raise _Stopped
+
+    def stop(self, left: float) -> bool:
+        """Stop renewing, once a renewal on the wire is answered, waiting for it at
+        most ``left`` seconds (the lease's); whether it was answered by then."""
+        self._stopped.set()
+        if not self._on_the_wire.acquire(timeout=max(0.0, left)):
+            return False
+        self._on_the_wire.release()
+        self._thread.join()
+        return True
+
+    def _run(self) -> None:
         try:
-            self._renew_until_lost()
-        except Exception as exc:  # a renewer that dies must not leave the lease trusted
-            self._holding.lose(f"the renewer failed: {exc!r}")
-
-    def _renew_until_lost(self) -> None:
-        client, holding = self._client, self._holding
-        while not self._stop.is_set():
-            wait = holding.due()
-            if wait is None:
-                self._holding.lose(EXPIRED)
-                return
-            if wait > 0:
-                self._stop.wait(wait)
-                continue
-            with self._lock:
-                if self._stop.is_set() or holding.ended:
-                    return
-                if holding.due() is None:  # waited for the lock past the deadline
-                    self._holding.lose(EXPIRED)
-                    return
-                grant = holding.granted()
-                try:
-                    renewed = client.renew(
-                        self.job_id,
-                        self.owner,
-                        grant.generation,
-                        holding.ttl,
-                        within=holding.within(client.request_timeout),
-                        not_after=grant.deadline,
-                    )
-                except (LeaseRefused, LeaseLost, LeaseServiceError) as exc:
-                    why = holding.renewal_failed(exc)
-                    if why is not None:
-                        self._holding.lose(why)
-                        return
-                    continue
-                holding.taken(renewed)
+            why = run(self._client.flows.keep_alive(self._holding), self)
+        except _Stopped:
+            return
+        self._holding.lose(why)
