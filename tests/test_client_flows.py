@@ -425,31 +425,25 @@ async def test_a_write_refused_as_not_applied_is_sent_again(driver: Driver, api:
     assert all(b - a >= 0.045 for a, b in itertools.pairwise(times))  # its Retry-After
 
 
-async def test_a_write_refused_for_good_is_returned_as_it_is(driver: Driver, api: FakeAPI) -> None:
-    api.write_answers = [refusal(StaleGeneration("stale", retry_after=0.01))]
+@pytest.mark.parametrize(
+    ("refused", "times", "sent"),
+    [
+        pytest.param(StaleGeneration("stale", retry_after=0.01), 1, 1, id="for-good"),
+        pytest.param(JobQuarantined("unknown", retry_after=0.01), 7, 6, id="five-times-at-most"),
+        pytest.param(JobQuarantined("unknown", retry_after=60), 1, 1, id="not-past-the-lease"),
+    ],
+)
+async def test_a_refused_write_is_otherwise_returned_as_it_is(
+    driver: Driver, api: FakeAPI, refused: Refusal, times: int, sent: int
+) -> None:
+    """Never after a refusal that does not say nothing was applied, never more than
+    five times again, never when its Retry-After is past the lease."""
+    api.write_answers = [refusal(refused) for _ in range(times)]
     leases, http = driver.client(), driver.http()
     async with driver.hold(leases, "job", owner="a", ttl=30) as lease:
         answer = await driver.do(lease.request, http, "POST", WRITE)
-    assert answer.status_code == 409
-    assert len(api.writes) == 1
-
-
-async def test_a_write_is_sent_again_five_times_at_most(driver: Driver, api: FakeAPI) -> None:
-    api.write_answers = [refusal(JobQuarantined("unknown", retry_after=0.01)) for _ in range(7)]
-    leases, http = driver.client(), driver.http()
-    async with driver.hold(leases, "job", owner="a", ttl=30) as lease:
-        answer = await driver.do(lease.request, http, "POST", WRITE)
-    assert answer.status_code == 503
-    assert len(api.writes) == 6
-
-
-async def test_a_write_is_not_sent_again_past_the_lease(driver: Driver, api: FakeAPI) -> None:
-    api.write_answers = [refusal(JobQuarantined("unknown", retry_after=60))]
-    leases, http = driver.client(), driver.http()
-    async with driver.hold(leases, "job", owner="a", ttl=30) as lease:
-        answer = await driver.do(lease.request, http, "POST", WRITE)
-    assert answer.status_code == 503
-    assert len(api.writes) == 1
+    assert answer.status_code == refused.status
+    assert len(api.writes) == sent
 
 
 # -- complete, release -----------------------------------------------------------------
