@@ -72,7 +72,7 @@ what the adapter reads of the library exists:
                                      place a timeout becomes UpstreamTimeout)
     fenceproxy.store.sqlite_errors   sqlite3: StoreError, StoreLocked by result code
     fenceproxy.store.asyncpg_errors  asyncpg and the network: StoreError
-    fenceproxy.client                httpx, for the lease clients: LeaseServiceError
+    fenceproxy.client.adapter        httpx, for the lease clients: LeaseServiceError
 
 Every refusal kind carries its problem ``type``, ``status`` and ``title`` once, here;
 the HTTP layer renders them and the log records them.
