@@ -324,43 +324,7 @@ def decide(
     it is in flight, nor whether the request is the same.
     """
     if key is not None:
-        assert write.key is not None
-        if key.scope == UNSCOPED or not hmac.compare_digest(key.scope, write.scope):
-            return KeyOtherCaller(
-                "this Idempotency-Key is on record for another caller; send a key of your own",
-                job=write.job,
-            )
-        if key.fingerprint != write.fingerprint:
-            return KeyReused(
-                "this Idempotency-Key was used for a request with another method, path or body",
-                job=write.job,
-            )
-        if key.state is KeyState.IN_FLIGHT:
-            return DuplicateInFlight(
-                "a request with this Idempotency-Key is being forwarded now; retry later",
-                job=write.job,
-            )
-        if key.state is KeyState.UNKNOWN:
-            return DuplicateOutcomeUnknown(
-                "a request with this Idempotency-Key was sent to the upstream and no answer came "
-                "back; the upstream may have applied it, so it is not sent again",
-                job=write.job,
-            )
-        assert key.response is not None
-        if not write.replay:
-            return DuplicateRejected(
-                "a request with this Idempotency-Key was already applied",
-                job=write.job,
-                original_status=key.response.status,
-            )
-        if key.response.body is None:
-            return DuplicateNotStored(
-                "a request with this Idempotency-Key was already applied; its response was "
-                "too large to store",
-                job=write.job,
-                original_status=key.response.status,
-            )
-        return Replay(key.response)
+        return _decide_key(write, key)
     if current is not None and write.generation < current:
         return StaleGeneration(
             f"generation {write.generation} is older than generation {current}, "
@@ -372,3 +336,51 @@ def decide(
     if current is None or write.generation > current:
         return Admit(raise_to=write.generation)
     return Admit(raise_to=None)
+
+
+def _decide_key(write: FencedWrite, key: KeyRecord) -> Replay | Refusal:
+    """What a key on record says of a write that came with it (see :func:`decide`):
+    whose it is and whether the request is the same first, then what became of it."""
+    assert write.key is not None
+    if key.scope == UNSCOPED or not hmac.compare_digest(key.scope, write.scope):
+        return KeyOtherCaller(
+            "this Idempotency-Key is on record for another caller; send a key of your own",
+            job=write.job,
+        )
+    if key.fingerprint != write.fingerprint:
+        return KeyReused(
+            "this Idempotency-Key was used for a request with another method, path or body",
+            job=write.job,
+        )
+    if key.state is KeyState.IN_FLIGHT:
+        return DuplicateInFlight(
+            "a request with this Idempotency-Key is being forwarded now; retry later",
+            job=write.job,
+        )
+    if key.state is KeyState.UNKNOWN:
+        return DuplicateOutcomeUnknown(
+            "a request with this Idempotency-Key was sent to the upstream and no answer came "
+            "back; the upstream may have applied it, so it is not sent again",
+            job=write.job,
+        )
+    return _completed(write, key)
+
+
+def _completed(write: FencedWrite, key: KeyRecord) -> Replay | Refusal:
+    """A completed key's answer, replayed unless the route says not to or it was too
+    large to keep."""
+    assert key.response is not None
+    if not write.replay:
+        return DuplicateRejected(
+            "a request with this Idempotency-Key was already applied",
+            job=write.job,
+            original_status=key.response.status,
+        )
+    if key.response.body is None:
+        return DuplicateNotStored(
+            "a request with this Idempotency-Key was already applied; its response was "
+            "too large to store",
+            job=write.job,
+            original_status=key.response.status,
+        )
+    return Replay(key.response)
