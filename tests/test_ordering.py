@@ -10,7 +10,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from fenceproxy.testing import RecordingUpstream, eventually
+from fenceproxy.server.app import FenceProxy
+from fenceproxy.testing import ProxyTestServer, RecordingUpstream, eventually
 
 from .conftest import fenced, store_of
 
@@ -82,4 +83,11 @@ async def test_other_jobs_are_not_blocked_by_a_slow_write(
 
 def _queued(client: Client, job: str, users: int) -> bool:
     """Whether ``users`` writes of ``job`` hold or wait for its lock."""
-    return store_of(client).locks.users(job) >= users
+    return proxy_of(client).locks.users(job) >= users
+
+
+def proxy_of(client: Client) -> FenceProxy:
+    """The proxy the test client talks to."""
+    server = client.server
+    assert isinstance(server, ProxyTestServer)
+    return server.proxy

@@ -47,6 +47,7 @@ from ..store import Store, open_store
 from ..store.url import parse_store_url
 from .lease_api import LeaseService
 from .proxy import Proxy, ProxySettings
+from .turn import JobLocks
 
 __all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 
@@ -91,6 +92,8 @@ class FenceProxy:
         )
         self.metrics = Metrics()
         """What this proxy counts, served by the admin listener (:mod:`fenceproxy.ops.admin`)."""
+        self.locks = JobLocks()
+        """This process's queue per job, in front of the store's in-flight records."""
         self._store: Store | None = None
         self._proxy: Proxy | None = None
         self._upstreams: UpstreamPool | None = None
@@ -166,6 +169,7 @@ class FenceProxy:
                 self._upstreams,
                 bodies=self._bodies,
                 metrics=self.metrics,
+                locks=self.locks,
             )
         else:
             assert self._upstreams is not None

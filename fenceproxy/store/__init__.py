@@ -8,13 +8,12 @@ import time
 from collections.abc import Callable
 
 from ..errors import StoreError
-from .base import JobLocks, Store
+from .base import Store
 from .postgres import PostgresStore
 from .sqlite import SQLiteStore, folder_problem
 from .url import StoreURL, parse_store_url
 
 __all__ = [
-    "JobLocks",
     "PostgresStore",
     "SQLiteStore",
     "Store",

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -43,7 +42,6 @@ from ..log import store_log
 __all__ = [
     "JOBS_SQL",
     "JOB_VIEW_SQL",
-    "JobLocks",
     "JobView",
     "KeyView",
     "LeaseChange",
@@ -83,8 +81,6 @@ class Store(abc.ABC):
     """What an operator does to bring a store at an older schema version up to date."""
 
     def __init__(self) -> None:
-        self.locks = JobLocks()
-        """This process's queue per job, in front of the store's in-flight records."""
         self.on_commit: Callable[[float, int], object] = lambda seconds, operations: None
         """Told of each commit: how long it took and how many operations it held."""
 
@@ -259,11 +255,6 @@ class Store(abc.ABC):
     async def close(self) -> None:
         """Finish pending work and release the backend."""
 
-    def job_lock(self, job: str) -> AbstractAsyncContextManager[None]:
-        """Queue this process's writes of one job, first come first served, so only the
-        first of them asks the store for the job's in-flight record."""
-        return self.locks(job)
-
 
 @dataclass(frozen=True, slots=True)
 class KeyView:
@@ -345,63 +336,6 @@ def _key_view(row: Any) -> KeyView:
         float(created_at),
         float(expires_at),
     )
-
-
-class JobLocks:
-    """In-process FIFO locks per job, dropped when nobody holds or waits for them.
-
-    They order one process's writes of a job and spare the store their contention;
-    the order across processes is the store's in-flight record.
-    """
-
-    __slots__ = ("_locks",)
-
-    class Held:
-        __slots__ = ("_job", "_owner")
-
-        def __init__(self, owner: JobLocks, job: str) -> None:
-            self._owner = owner
-            self._job = job
-
-        async def __aenter__(self) -> None:
-            await self._owner._acquire(self._job)
-
-        async def __aexit__(self, *exc: object) -> None:
-            self._owner._release(self._job)
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-
-    def __call__(self, job: str) -> JobLocks.Held:
-        return JobLocks.Held(self, job)
-
-    def __len__(self) -> int:
-        return len(self._locks)
-
-    def users(self, job: str) -> int:
-        """How many writes of ``job`` hold or wait for its lock."""
-        entry = self._locks.get(job)
-        return 0 if entry is None else entry[1]
-
-    async def _acquire(self, job: str) -> None:
-        lock, users = self._locks.get(job) or (asyncio.Lock(), 0)
-        self._locks[job] = (lock, users + 1)
-        try:
-            await lock.acquire()
-        except BaseException:
-            self._drop(job)
-            raise
-
-    def _release(self, job: str) -> None:
-        self._locks[job][0].release()
-        self._drop(job)
-
-    def _drop(self, job: str) -> None:
-        lock, users = self._locks[job]
-        if users == 1:
-            del self._locks[job]
-        else:
-            self._locks[job] = (lock, users - 1)
 
 
 async def to_completion(work: Awaitable[T]) -> T:

@@ -1,0 +1,388 @@
+"""A fenced write's turn at its job: queued, admitted, settled, handed back.
+
+``async with turns.take(write, route) as turn:`` is the turn. Entering it:
+
+1. a keyed write whose key this process is still settling is refused or replayed
+   at once (``turn.replay``), never queued behind the original;
+2. it waits for this process's earlier writes of the job (:class:`JobLocks`, first
+   come, first served), up to the route's timeout;
+3. the store admits it (:class:`~fenceproxy.fence.write.Attempt`), or refuses it;
+   while another write of any proxy holds the job's in-flight record, it asks again
+   until the route's timeout, then gets JobQuarantined, at once when that write's
+   outcome is unknown.
+
+Leaving it, whatever ended it, a cancellation included, in this order: an exchange
+whose outcome is unknown is cut (:meth:`UpstreamResponse.cut`, its socket closed,
+so no more of it reaches the upstream); the key is settled as the attempt's
+:class:`~fenceproxy.fence.write.Ending` says; then the job's in-flight record is
+cleared, or held for the route's quarantine; then the job's next write may go. No
+other write ever reads the key as orphaned. A store that fails meanwhile leaves
+the record and the key to be retried in the background; until then this process
+answers the key's duplicates from memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from types import TracebackType
+
+from ..errors import JobQuarantined, Refusal, StoreError, StoreUnavailable
+from ..fence.fencing import (
+    Admit,
+    Busy,
+    FencedWrite,
+    KeyRecord,
+    KeyState,
+    Replay,
+    StoredResponse,
+    decide,
+)
+from ..fence.write import Attempt, Ending, Settlement
+from ..http.http1 import UpstreamResponse
+from ..http.routes import Route
+from ..log import proxy_log
+from ..store import Store
+
+__all__ = ["JobLocks", "Turn", "Turns"]
+
+_SETTLE_RETRY = 1.0
+# How long close() lets the writes it cuts settle (abort, key, record) in the store.
+_SETTLE_AT_CLOSE = 5.0
+_BUSY_POLL_FIRST = 0.002
+_BUSY_POLL_MAX = 0.05
+_Slot = tuple[str, str]  # (job, key): a key is its job's, whatever route it came by
+
+
+class JobLocks:
+    """In-process FIFO locks per job, dropped when nobody holds or waits for them.
+
+    They order one process's writes of a job and spare the store their contention;
+    the order across processes is the store's in-flight record.
+    """
+
+    __slots__ = ("_locks",)
+
+    class Held:
+        __slots__ = ("_job", "_owner")
+
+        def __init__(self, owner: JobLocks, job: str) -> None:
+            self._owner = owner
+            self._job = job
+
+        async def __aenter__(self) -> None:
+            await self._owner._acquire(self._job)
+
+        async def __aexit__(self, *exc: object) -> None:
+            self._owner._release(self._job)
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def __call__(self, job: str) -> JobLocks.Held:
+        return JobLocks.Held(self, job)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    def users(self, job: str) -> int:
+        """How many writes of ``job`` hold or wait for its lock."""
+        entry = self._locks.get(job)
+        return 0 if entry is None else entry[1]
+
+    async def _acquire(self, job: str) -> None:
+        lock, users = self._locks.get(job) or (asyncio.Lock(), 0)
+        self._locks[job] = (lock, users + 1)
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._drop(job)
+            raise
+
+    def _release(self, job: str) -> None:
+        self._locks[job][0].release()
+        self._drop(job)
+
+    def _drop(self, job: str) -> None:
+        lock, users = self._locks[job]
+        if users == 1:
+            del self._locks[job]
+        else:
+            self._locks[job] = (lock, users - 1)
+
+
+class Turns:
+    """This process's turns at its jobs, on ``store``: the per-job queue, the keyed
+    writes not yet settled in the store, and the store writes retried meanwhile."""
+
+    def __init__(self, store: Store, locks: JobLocks) -> None:
+        self.store = store
+        self.locks = locks
+        # Keyed writes of this process from arrival until the store has their final
+        # state: a duplicate is answered at once rather than queued behind the
+        # original, and a state the store could not take yet is still honoured.
+        # Only ever refuses or replays, never admits: the store holds the truth for every
+        # proxy, and another proxy reading a key this one could not settle refuses it.
+        self.keys: dict[_Slot, KeyRecord] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        # The handlers of fenced writes in their job's turn, cut at close.
+        self.writing: set[asyncio.Task[object]] = set()
+
+    def take(self, write: FencedWrite, route: Route) -> Turn:
+        """``write``'s turn at its job (``async with``); its fingerprint is known."""
+        return Turn(self, write, route)
+
+    async def close(self) -> None:
+        """Cut the fenced writes still in their turn (shutdown's drain time is over)
+        and let each settle while the store is still open: its upstream connection
+        aborted, its key and record marked unknown, held for the route's quarantine
+        on every proxy. Then stop retrying key settlements: a key in flight whose
+        in-flight record is gone reads as unknown to every proxy. A write that could
+        not settle in time leaves its record to expire."""
+        writing = [task for task in self.writing if not task.done()]
+        for task in writing:
+            task.cancel()
+        if writing:
+            await asyncio.wait(writing, timeout=_SETTLE_AT_CLOSE)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def settle(self, write: FencedWrite, route: Route, ending: Ending) -> None:
+        """Record what the key became, then clear or hold the job's record."""
+        try:
+            if ending.key is not None:
+                await self._settle_key(write, ending.key)
+        finally:
+            await self._end_turn(write, route, ending.unknown_for)
+
+    async def _end_turn(self, write: FencedWrite, route: Route, unknown_for: float | None) -> None:
+        """Give the job's in-flight record back, or keep it ``unknown_for`` seconds.
+        Survives cancellation. If the store fails, the record stays (the job waits,
+        nothing worse) and clearing it is retried."""
+        if unknown_for is not None and route.quarantine > 0:
+            proxy_log.warning(
+                "job %r held for %.1fs: a write's outcome is unknown", write.job, route.quarantine
+            )
+        try:
+            await self.store.end_turn(write, unknown_for=unknown_for)
+        except StoreError as exc:
+            # Until it is cleared, the record holds the job: retried in the background.
+            proxy_log.error("could not clear job %r's in-flight record: %s", write.job, exc)
+            self.retry_later(lambda: self.store.end_turn(write, unknown_for=unknown_for))
+
+    async def _settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
+        """Record what became of a keyed write. Survives cancellation; if the store
+        fails, the state is kept in memory (so retries are answered by it) and retried."""
+        assert write.key is not None
+        slot = (write.job, write.key)
+        try:
+            await self._store_settlement(write, settlement)
+        except StoreError as exc:
+            proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
+            self.keys[slot] = _record(write, settlement)
+            self.retry_later(
+                lambda: self._store_settlement(write, settlement),
+                lambda: self.keys.pop(slot, None),
+            )
+        else:
+            self.keys.pop(slot, None)
+
+    def _store_settlement(self, write: FencedWrite, settlement: Settlement) -> Awaitable[None]:
+        if isinstance(settlement, StoredResponse):
+            return self.store.complete_key(write, settlement)
+        if settlement == "unknown":
+            return self.store.mark_unknown(write)
+        return self.store.forget_key(write)
+
+    def retry_later(
+        self,
+        attempt: Callable[[], Awaitable[None]],
+        then: Callable[[], object] = lambda: None,
+        *,
+        first: float = _SETTLE_RETRY,
+    ) -> None:
+        """Retry a store write in the background, after ``first`` seconds and then
+        every second, until it succeeds."""
+
+        async def retry() -> None:
+            delay = first
+            while True:
+                await asyncio.sleep(delay)
+                delay = _SETTLE_RETRY
+                try:
+                    await attempt()
+                except StoreError:
+                    continue
+                then()
+                return
+
+        task = asyncio.create_task(retry())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class Turn:
+    """One write's turn (see the module's docstring). Inside it, ``replay`` is the
+    stored answer to give instead, when there is one; otherwise ``attempt`` is the
+    admitted write, and ``upstream`` is to be set to its exchange once it has one."""
+
+    __slots__ = ("_exit", "_route", "_turns", "_write", "attempt", "replay", "upstream")
+
+    def __init__(self, turns: Turns, write: FencedWrite, route: Route) -> None:
+        self._turns = turns
+        self._write = write
+        self._route = route
+        self._exit = AsyncExitStack()
+        self.replay: StoredResponse | None = None
+        self.attempt: Attempt | None = None
+        self.upstream: UpstreamResponse | None = None
+
+    async def __aenter__(self) -> Turn:
+        async with AsyncExitStack() as stack:
+            self._writing(stack)
+            self.replay = self._reserve(stack)
+            if self.replay is None:
+                await self._queue(stack)
+                self.replay = await self._admit()
+            self._exit = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        answered = False
+        try:
+            if self.attempt is not None:
+                await self._hand_back(self.attempt.end(exc))
+            answered = exc is None
+        finally:
+            if not answered and self.upstream is not None:
+                self.upstream.release()  # the driver relays an answer, else nobody
+            await self._exit.aclose()
+
+    async def _hand_back(self, ending: Ending) -> None:
+        """Cut an exchange in doubt before anything else, then settle the key and end
+        the turn, even if cancelled meanwhile (the cancellation is seen after)."""
+        try:
+            if ending.cut and self.upstream is not None:
+                await self.upstream.cut()
+        finally:
+            await self._turns.settle(self._write, self._route, ending)
+
+    def _writing(self, stack: AsyncExitStack) -> None:
+        """Count this task among the writes close() cuts, until the turn ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._turns.writing.add(task)
+        stack.callback(self._turns.writing.discard, task)
+
+    def _reserve(self, stack: AsyncExitStack) -> StoredResponse | None:
+        """A keyed write: a duplicate of one this process is still settling is refused
+        or replayed at once; otherwise it is marked in flight here until it ends."""
+        write, keys = self._write, self._turns.keys
+        if write.key is None:
+            return None
+        assert write.fingerprint is not None
+        slot = (write.job, write.key)
+        if (record := keys.get(slot)) is not None:
+            decision = decide(write, None, record)
+            if isinstance(decision, Refusal):
+                raise decision
+            assert isinstance(decision, Replay)
+            return decision.response
+        keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint, scope=write.scope)
+        stack.callback(_unreserve, keys, slot)
+        return None
+
+    async def _queue(self, stack: AsyncExitStack) -> None:
+        """Wait behind this process's earlier writes of the job, up to the route's timeout."""
+        job, locks = self._write.job, self._turns.locks
+        if not locks.users(job):
+            await stack.enter_async_context(locks(job))  # free: taken at once
+            return
+        try:
+            async with asyncio.timeout(self._route.timeout):
+                await stack.enter_async_context(locks(job))
+        except TimeoutError:
+            raise _waited_too_long(self._write, retry_after=1.0) from None
+
+    async def _admit(self) -> StoredResponse | None:
+        """Admitted (``attempt`` set), or the stored answer to replay. While another
+        write holds the job's record, ask again until the route's timeout; then, or at
+        once when that write's outcome is unknown, refuse with JobQuarantined."""
+        write, deadline, delay = (
+            self._write,
+            time.monotonic() + self._route.timeout,
+            _BUSY_POLL_FIRST,
+        )
+        while True:
+            decision, recorded_at = await self._store_admit()
+            if isinstance(decision, Replay):
+                return decision.response
+            if isinstance(decision, Admit):
+                self.attempt = Attempt(write, self._route, recorded_at)
+                return None
+            if decision.unknown:
+                raise _behind_unknown(write, retry_after=decision.retry_after)
+            if time.monotonic() + delay > deadline:
+                raise _waited_too_long(write, retry_after=decision.retry_after)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BUSY_POLL_MAX)
+
+    async def _store_admit(self) -> tuple[Admit | Replay | Busy, float]:
+        """One admission, and the monotonic instant at or before which its in-flight
+        record was dated; a refusal is raised. If the request is cancelled meanwhile,
+        the store gives back what it took: nothing was sent."""
+        store, write = self._turns.store, self._write
+        try:
+            decision, recorded_at = await store.admit(write)
+        except StoreError as exc:
+            proxy_log.error("store failed, refusing the write: %s", exc)
+            # The store may have committed what it could not confirm (a lost reply):
+            # give back whatever this write took, so neither its job nor its key waits
+            # out the record. Nothing was sent.
+            self._turns.retry_later(lambda: store.give_back(write), first=0.0)
+            raise StoreUnavailable(
+                "the fencing store could not record this write; nothing was forwarded"
+            ) from exc
+        if isinstance(decision, Refusal):
+            raise decision
+        return decision, recorded_at
+
+
+def _unreserve(keys: dict[_Slot, KeyRecord], slot: _Slot) -> None:
+    record = keys.get(slot)
+    if record is not None and record.state is KeyState.IN_FLIGHT:
+        del keys[slot]  # settled in the store, or never reserved there
+
+
+def _record(write: FencedWrite, settlement: Settlement) -> KeyRecord:
+    """The in-memory stand-in for a settlement the store has not taken yet, its
+    caller's only. A key not sent but still reserved in the store reads as unknown
+    until then: never let a duplicate through on a guess."""
+    assert write.fingerprint is not None
+    if isinstance(settlement, StoredResponse):
+        return KeyRecord(KeyState.COMPLETED, write.fingerprint, settlement, write.scope)
+    return KeyRecord(KeyState.UNKNOWN, write.fingerprint, scope=write.scope)
+
+
+def _waited_too_long(write: FencedWrite, *, retry_after: float) -> JobQuarantined:
+    return JobQuarantined(
+        "another write of this job is in flight at the upstream (sent by this or another "
+        "proxy, or by one that stopped); its later writes wait for it, and this one "
+        "waited as long as the route's timeout",
+        retry_after=retry_after,
+        job=write.job,
+    )
+
+
+def _behind_unknown(write: FencedWrite, *, retry_after: float) -> JobQuarantined:
+    return JobQuarantined(
+        "an earlier write of this job got no answer and may still be applied by the "
+        "upstream; its later writes are refused until then so none can overtake it",
+        retry_after=retry_after,
+        job=write.job,
+    )
