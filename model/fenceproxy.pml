@@ -13,8 +13,8 @@
  *
  * Time is counted in ticks of the store's clock. A lease lasts TTL; a route's
  * connect_timeout + timeout is TIMEOUT and its quarantine QUAR; the proxy sends
- * an admitted write within SLACK of its admission (fenceproxy/server/proxy.py,
- * _TURN_SLACK), so a write's in-flight record lasts HOLD. The upstream is assumed
+ * an admitted write within SLACK of its admission (fenceproxy/fence/write.py,
+ * TURN_SLACK), so a write's in-flight record lasts HOLD. The upstream is assumed
  * to apply a write, if ever, within TIMEOUT + QUAR of its sending: that is what a
  * route's quarantine says. It rests on the proxy cutting a write at its timeout
  * (fenceproxy/http/http1.py aborts the connection, which resets it, before the record

@@ -7,7 +7,9 @@ goes into the idempotency fingerprint and is what the upstream receives. A reque
 is fenced when its route fences its method, or the method a method-override header
 names.
 
-A fenced write goes through these steps:
+A fenced write goes through these steps (its states and their transitions are
+:class:`~fenceproxy.fence.write.Attempt`'s; steps 2 to 4 are its
+:class:`~fenceproxy.server.turn.Turn`):
 
 1. its fencing headers are parsed (each must be sent once) and its body is read in
    full (up to the route's ``max_body``), so nothing the client does later can hold
