@@ -18,8 +18,8 @@ from multidict import istr
 from yarl import URL
 
 from ..config import RouteSpec
-from ..errors import NoRoute, RequestTargetMalformed, RequestTargetNotCanonical
-from .target import PathMode, canonical_path, check_exact, decode_exact, decode_path, escaped_path
+from ..errors import NoRoute, RequestTargetNotCanonical
+from .target import PathMode, RequestPath, decode_path
 
 __all__ = ["SAFE_METHODS", "Fence", "Route", "Router"]
 
@@ -167,8 +167,9 @@ class Router:
                 return route, job
         return None
 
-    def route(self, raw: str) -> tuple[Route, str | None, str]:
-        """The route for a request's raw path (no query), its job id from the path if
+    def route(self, path: RequestPath) -> tuple[Route, str | None, str]:
+        """The route for a request's path (no query) read by
+        :func:`~fenceproxy.http.target.read_path`, its job id from the path if
         any, and the path to route, fingerprint and forward, as the route's ``paths``
         says (:mod:`fenceproxy.http.target`): found on the canonical form; ``refuse``
         takes a path only if it is canonical but for the spelling of escapes,
@@ -180,37 +181,43 @@ class Router:
         RequestTargetNotCanonical for a ``refuse`` route's path that is not canonical
         (its ``canonical`` member says what would be taken) or an ``exact`` route's
         whose raw path falls under another route, NoRoute when no route matches."""
-        try:
-            path = canonical_path(raw)
-        except RequestTargetMalformed:
+        raw = path.raw
+        if path.canonical is None:
             # No canonical form: only an exact route may take it, as sent.
-            check_exact(raw)
-            exact = self._match(decode_exact(raw))
+            exact = self._as_sent(path)
             if exact is None or exact[0].paths != "exact":
-                raise
+                assert path.not_canonical is not None
+                raise path.not_canonical
             return exact[0], exact[1], raw
-        matched = self.match(path)
+        matched = self.match(path.canonical)
         if matched is None:
-            raise NoRoute(f"no route is configured for {path!r}")
+            raise NoRoute(f"no route is configured for {path.canonical!r}")
         route, job = matched
-        if route.paths == "normalize" or path == raw:
-            return route, job, path
+        if route.paths == "normalize" or path.canonical == raw:
+            return route, job, path.canonical
         if route.paths == "refuse":
-            if escaped_path(raw) != path:
+            if path.escaped != path.canonical:
                 raise RequestTargetNotCanonical(
                     f"route {route.name!r} takes a path only in its canonical form, "
-                    f"without '.', '..' or empty segments: send {path!r}",
-                    canonical=path,
+                    f"without '.', '..' or empty segments: send {path.canonical!r}",
+                    canonical=path.canonical,
                     route=route.name,
                 )
-            return route, job, path
-        check_exact(raw)
-        exact = self._match(decode_exact(raw))
+            return route, job, path.canonical
+        exact = self._as_sent(path)
         if exact is None or exact[0] is not route:
             raise RequestTargetNotCanonical(
                 f"the path as sent is not under route {route.name!r}, which its canonical "
-                f"form {path!r} is under: a route forwards only paths it owns both ways",
-                canonical=path,
+                f"form {path.canonical!r} is under: a route forwards only paths it owns both ways",
+                canonical=path.canonical,
                 route=route.name,
             )
         return route, exact[1], raw
+
+    def _as_sent(self, path: RequestPath) -> tuple[Route, str | None] | None:
+        """The route the path as sent matches, decoded as an exact route reads it, if
+        any; raises why it may not be taken as sent."""
+        if path.exact is None:
+            assert path.not_exact is not None
+            raise path.not_exact
+        return self._match(path.exact)

@@ -56,6 +56,7 @@ How much of that a route takes is its ``paths`` setting (:class:`PathMode`), and
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from typing import Literal
 from urllib.parse import unquote
 
@@ -91,6 +92,48 @@ _REFUSED_BYTES = {
     0x2F: "an encoded slash (%2F): upstreams disagree on whether it separates segments",
     0x5C: "an encoded backslash (%5C): some upstreams read it as a separator",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPath:
+    """A request's raw path read once, in every form routing weighs: its canonical
+    form, and when that differs from what was sent, the sent escapes spelled
+    canonically and the decoded form an ``exact`` route matches. A form that does not
+    exist is None, with the refusal that says why beside it."""
+
+    raw: str
+    canonical: str | None
+    """The canonical form (:func:`canonical_path`); None when the path has none."""
+    not_canonical: RequestTargetMalformed | None = None
+    """Why there is no canonical form."""
+    escaped: str | None = None
+    """``raw`` with its escapes spelled canonically (:func:`escaped_path`), when it
+    has a canonical form other than itself."""
+    exact: str | None = None
+    """``raw`` decoded for an ``exact`` route (:func:`decode_exact`), when it is not
+    canonical and may be taken as sent."""
+    not_exact: RequestTargetMalformed | None = None
+    """Why it may not be taken as sent (:func:`check_exact`)."""
+
+
+def read_path(raw: str) -> RequestPath:
+    """Every form of ``raw`` that routing needs, in one pass: for the common,
+    canonical path, only that."""
+    try:
+        canonical = canonical_path(raw)
+    except RequestTargetMalformed as exc:
+        return _as_sent(RequestPath(raw, None, exc))
+    if canonical == raw:
+        return RequestPath(raw, raw)
+    return _as_sent(RequestPath(raw, canonical, escaped=escaped_path(raw)))
+
+
+def _as_sent(path: RequestPath) -> RequestPath:
+    try:
+        check_exact(path.raw)
+    except RequestTargetMalformed as exc:
+        return replace(path, not_exact=exc)
+    return replace(path, exact=decode_exact(path.raw))
 
 
 def canonical_path(raw: str) -> str:

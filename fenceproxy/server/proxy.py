@@ -56,6 +56,7 @@ from ..http import hdrs
 from ..http.edge import Bodies, HeldBody
 from ..http.http1 import UpstreamResponse, map_failure
 from ..http.routes import Route, Router
+from ..http.target import read_path
 from ..http.upstream import TrustedProxies, UpstreamPool, replayable_headers
 from ..log import decision_log
 from ..ops.metrics import Metrics
@@ -152,12 +153,13 @@ class Proxy:
 
     async def handle(self, request: web.BaseRequest, raw: str) -> web.StreamResponse:
         """Forward ``request``, whose raw path (no query) is ``raw``, or raise a
-        Refusal; the path is read as its route's ``paths`` says (:meth:`Router.route`)."""
+        Refusal; the path is read once (:func:`read_path`), then taken as its route's
+        ``paths`` says (:meth:`Router.route`)."""
         coding = request.headers.get(hdrs.TRANSFER_ENCODING)
         if coding is not None and coding.strip().lower() != "chunked":
             # Reject, never repair: the body would reach the upstream re-framed.
             raise UnsupportedFraming("the only transfer coding accepted is chunked")
-        route, path_job, path = self._router.route(raw)
+        route, path_job, path = self._router.route(read_path(raw))
         query = request.rel_url.raw_query_string
         target = f"{path}?{query}" if query else path
         reading = read_write(route, request.method, request.headers, path_job, self._signing)
