@@ -13,7 +13,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the project root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fenceproxy.store.base as store_base
+import fenceproxy.leases.model as lease_model
 from fenceproxy.errors import Refusal
 from fenceproxy.fence import fencing
 from fenceproxy.fence.fencing import Admit, FencedWrite, KeyRecord, Replay
@@ -26,8 +26,9 @@ def decide_ignoring_generations(
     return fencing.decide(write, None, key)
 
 
-STORES = store_base
-"""The module whose ``decide`` every store's admission calls, which the broken build swaps."""
+STORES = lease_model
+"""The module whose ``decide`` every store's admission calls (through ``decide_write``),
+which the broken build swaps."""
 
 
 def break_the_fence() -> None:
