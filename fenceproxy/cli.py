@@ -49,6 +49,10 @@ def _duration(text: str) -> float:
     return seconds
 
 
+def _config_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser, and each command's own (whose usage its errors print)."""
     parser = argparse.ArgumentParser(
@@ -66,7 +70,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "settings change for the next request; a file that is not valid is refused and "
         "the running config stays.",
     )
-    serve.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+    _config_argument(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="override the file's listen")
     serve.add_argument("--store", metavar="URL", help="override the file's store")
     serve.add_argument(
@@ -94,7 +98,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "schema), without starting. Exit 0 when all hold, 2 otherwise. The addresses are "
         "not bound: a running proxy holds them.",
     )
-    check.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+    _config_argument(check)
 
     migrate = commands.add_parser(
         "migrate",
@@ -103,7 +107,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "transaction; a store already up to date is left as it is. Exit 0 on success, "
         "1 when the store cannot be reached or has a newer schema.",
     )
-    migrate.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config")
+    _config_argument(migrate)
     migrate.add_argument("--store", metavar="URL", help="override the file's store")
 
     commands.add_parser("demo", help="run the worked example on loopback")

@@ -100,34 +100,15 @@ def _answers(action: str, body: dict[str, Any]) -> bool:
 def format_job(job: dict[str, Any]) -> str:
     """A job as the admin listener shows it, for a person: times are on the store's
     clock, given as how long ago or from now."""
-    now = job["now"]
-    lines = [f"job         {job['job']}"]
-    if job["generation"] is None:
-        lines.append("generation  none yet (no fenced write)")
-    else:
-        lines.append(
-            f"generation  {job['generation']}, set {_ago(now - job['generation_set_at'])}"
-            f" ({_utc(job['generation_set_at'])})"
-        )
-    lease = job["lease"]
-    if lease is None:
-        lines.append("lease       none")
-    else:
-        live = f"live, {lease['expires_in']:.1f} s left" if lease["live"] else "not live"
-        lines.append(
-            f"lease       {lease['owner']}, generation {lease['generation']}, "
-            f"{lease['state']}, {live}"
-        )
-    flight = job["in_flight"]
-    if flight is None:
-        lines.append("in flight   nothing")
-    else:
-        lines.append(
-            f"in flight   {flight['state']} (holder {flight['holder']}), "
-            f"record expires in {max(0.0, flight['expires_at'] - now):.1f} s"
-        )
-    keys = job["keys"]
-    lines.append(f"keys        {len(keys) or 'none'}")
+    now, keys = job["now"], job["keys"]
+    rows = (
+        ("job", job["job"]),
+        ("generation", _generation(job, now)),
+        ("lease", _lease(job["lease"])),
+        ("in flight", _in_flight(job["in_flight"], now)),
+        ("keys", len(keys) or "none"),
+    )
+    lines = [f"{label:<12}{value}" for label, value in rows]
     for key in keys:
         status = "-" if key["status"] is None else key["status"]
         lines.append(
@@ -135,6 +116,27 @@ def format_job(job: dict[str, Any]) -> str:
             f"{key['generation']}  status {status}  {_ago(now - key['created_at'])}"
         )
     return "\n".join(lines)
+
+
+def _generation(job: dict[str, Any], now: float) -> str:
+    if job["generation"] is None:
+        return "none yet (no fenced write)"
+    set_at = job["generation_set_at"]
+    return f"{job['generation']}, set {_ago(now - set_at)} ({_utc(set_at)})"
+
+
+def _lease(lease: dict[str, Any] | None) -> str:
+    if lease is None:
+        return "none"
+    live = f"live, {lease['expires_in']:.1f} s left" if lease["live"] else "not live"
+    return f"{lease['owner']}, generation {lease['generation']}, {lease['state']}, {live}"
+
+
+def _in_flight(flight: dict[str, Any] | None, now: float) -> str:
+    if flight is None:
+        return "nothing"
+    left = max(0.0, flight["expires_at"] - now)
+    return f"{flight['state']} (holder {flight['holder']}), record expires in {left:.1f} s"
 
 
 def _ago(seconds: float) -> str:

@@ -230,6 +230,9 @@ none): it matches no caller, so its answer is replayed to nobody."""
 
 
 class KeyState(enum.StrEnum):
+    """What became of a keyed write: in flight; answered, the answer kept for replay;
+    or sent with no answer, so it may have been applied."""
+
     IN_FLIGHT = "in_flight"
     COMPLETED = "completed"
     UNKNOWN = "unknown"

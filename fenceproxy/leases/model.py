@@ -46,6 +46,9 @@ __all__ = [
 
 
 class LeaseState(enum.StrEnum):
+    """A lease record's state: held (live until ``lease_until``), released (the job
+    may be claimed again) or completed (the job is done; no claim is granted)."""
+
     HELD = "held"
     RELEASED = "released"
     COMPLETED = "completed"
