@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.test_utils import BaseTestServer
 from multidict import CIMultiDictProxy
 
-from .http import hdrs
+from . import hdrs
 from .server.app import FenceProxy
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import IO
 
 from aiohttp import web
 
-from ..http import hdrs
+from .. import hdrs
 
 __all__ = ["Ledger", "main"]
 

@@ -27,9 +27,9 @@ from typing import IO, Any
 
 import aiohttp
 
+from .. import hdrs
 from ..client import LeaseClient, LeaseLost, LeaseRefused, LeaseServiceError
 from ..errors import PROBLEM_BASE
-from ..http import hdrs
 
 __all__ = ["main"]
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from multidict import CIMultiDictProxy, istr
 
+from .. import hdrs
 from ..errors import (
     FencingHeaderMalformed,
     FencingHeaderMissing,
@@ -38,8 +39,6 @@ from ..errors import (
     Refusal,
     UpstreamError,
 )
-from ..http import hdrs
-from ..http.routes import Fence, Route
 from .fencing import (
     SHARED_SCOPE,
     FencedWrite,
@@ -53,17 +52,67 @@ from .fencing import (
 from .tokens import SigningKeys, read_token
 
 __all__ = [
+    "SAFE_METHODS",
     "TRANSITIONS",
     "TURN_SLACK",
     "Attempt",
     "Ending",
     "Event",
+    "Fence",
+    "FencedRoute",
     "Reading",
     "Settlement",
     "State",
     "in_flight_for",
     "read_write",
 ]
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""What a route fences by default is every method but these."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """How a route fences its writes."""
+
+    methods: frozenset[str] | None
+    """The fenced methods; None for every method but :data:`SAFE_METHODS`."""
+    job_in_path: bool
+    job_header: istr
+    token_header: istr
+    key_header: istr
+    scope_headers: tuple[istr, ...]
+    """Whose a key is: the headers whose values make a caller (none: every caller is one)."""
+    replay: bool
+    signed_only: bool
+    """Only signed tokens are taken (plain integers are refused)."""
+    check_lease: bool
+    """A write goes only while its job's lease at its generation is live."""
+    report: bool
+    """Report only: what would be refused or replayed is forwarded, marked."""
+    fields: frozenset[str]
+    """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
+
+    def fences(self, method: str) -> bool:
+        if self.methods is None:
+            return method not in SAFE_METHODS
+        return method in self.methods
+
+
+class FencedRoute(Protocol):
+    """What the fence reads of a route (:class:`fenceproxy.http.routes.Route`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def fence(self) -> Fence | None: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def quarantine(self) -> float: ...
+
 
 TURN_SLACK = 1.0
 """An admitted write is sent only this soon after its admission was asked for: its
@@ -72,7 +121,7 @@ in-flight record lasts the route's timeout plus quarantine plus this."""
 Headers = CIMultiDictProxy[str]
 
 
-def in_flight_for(route: Route) -> float:
+def in_flight_for(route: FencedRoute) -> float:
     """The longest a fenced write may take from its send to the upstream's answer:
     connecting, sending the body, waiting. The job's in-flight record covers it."""
     return route.connect_timeout + route.timeout
@@ -104,7 +153,11 @@ _UNFENCED = Reading(fenced=False)
 
 
 def read_write(
-    route: Route, method: str, headers: Headers, path_job: str | None, keys: SigningKeys | None
+    route: FencedRoute,
+    method: str,
+    headers: Headers,
+    path_job: str | None,
+    keys: SigningKeys | None,
 ) -> Reading:
     """Read a request's head for the fence; nothing here raises a refusal."""
     fence = route.fence
@@ -123,7 +176,7 @@ def read_write(
 
 
 def _read_fields(
-    route: Route,
+    route: FencedRoute,
     method: str,
     fields: dict[istr, list[str]],
     path_job: str | None,
@@ -260,7 +313,7 @@ class Attempt:
 
     __slots__ = ("_answer", "_quarantine", "_recorded_at", "state", "timeout", "write")
 
-    def __init__(self, write: FencedWrite, route: Route, recorded_at: float) -> None:
+    def __init__(self, write: FencedWrite, route: FencedRoute, recorded_at: float) -> None:
         self.write = write
         self.state = State.ADMITTED
         self.timeout = in_flight_for(route)

@@ -19,40 +19,10 @@ from yarl import URL
 
 from ..config import RouteSpec
 from ..errors import NoRoute, RequestTargetNotCanonical
+from ..fence.write import Fence
 from .target import PathMode, RequestPath, decode_path
 
-__all__ = ["SAFE_METHODS", "Fence", "Route", "Router"]
-
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-"""What a route fences by default is every method but these."""
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:
-    """How a route fences its writes."""
-
-    methods: frozenset[str] | None
-    """The fenced methods; None for every method but :data:`SAFE_METHODS`."""
-    job_in_path: bool
-    job_header: istr
-    token_header: istr
-    key_header: istr
-    scope_headers: tuple[istr, ...]
-    """Whose a key is: the headers whose values make a caller (none: every caller is one)."""
-    replay: bool
-    signed_only: bool
-    """Only signed tokens are taken (plain integers are refused)."""
-    check_lease: bool
-    """A write goes only while its job's lease at its generation is live."""
-    report: bool
-    """Report only: what would be refused or replayed is forwarded, marked."""
-    fields: frozenset[str]
-    """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
-
-    def fences(self, method: str) -> bool:
-        if self.methods is None:
-            return method not in SAFE_METHODS
-        return method in self.methods
+__all__ = ["Route", "Router"]
 
 
 @dataclass(frozen=True, slots=True)

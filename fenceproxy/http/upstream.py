@@ -17,8 +17,8 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 from yarl import URL
 
+from .. import hdrs
 from ..errors import RequestHeaderMalformed
-from . import hdrs
 from .http1 import Origin, UpstreamResponse
 from .routes import Route
 

@@ -48,11 +48,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict, istr
 
+from .. import hdrs
 from ..errors import Refusal, UnsupportedFraming
 from ..fence.fencing import FencedWrite, fingerprint_digest
 from ..fence.tokens import SigningKeys
 from ..fence.write import Reading, read_write
-from ..http import hdrs
 from ..http.edge import Bodies, HeldBody
 from ..http.http1 import UpstreamResponse, map_failure
 from ..http.routes import Route, Router

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .. import hdrs
 from ..errors import RequestHeaderMalformed, UpstreamError
 from ..fence.fencing import StoredResponse
-from ..http import hdrs
 from ..http.edge import Bodies, HeldBody, check_body_size
 from ..http.http1 import UpstreamResponse
 from ..http.routes import Route
