@@ -21,37 +21,27 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import (
     Admit,
     Busy,
     FencedWrite,
-    KeyRecord,
-    KeyState,
     Replay,
     StoredResponse,
 )
-from ..leases.model import Lease, LeaseChange, LeaseState
+from ..leases.model import Lease, LeaseChange
 from ..log import store_log
 
 __all__ = [
-    "JOBS_SQL",
-    "JOB_VIEW_SQL",
     "JobView",
     "KeyView",
     "LeaseChange",
     "Store",
-    "job_view",
     "key_not_held",
-    "key_record",
-    "key_row",
-    "lease_record",
-    "lease_row",
     "to_completion",
 ]
 
@@ -293,51 +283,6 @@ class JobView:
         )
 
 
-RECENT_KEYS = 20
-# What a job view reads, with ``?`` for its one parameter (the job), in this order.
-JOB_VIEW_SQL = (
-    "SELECT generation, updated_at FROM fences WHERE job = ?",
-    "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = ?",
-    "SELECT holder, state, expires_at FROM inflight WHERE job = ?",
-    "SELECT route, key, state, generation, status, created_at, expires_at"
-    f" FROM idempotency_keys WHERE job = ? ORDER BY created_at DESC LIMIT {RECENT_KEYS}",
-)
-# Job ids with a fence or a lease: parameters (prefix length, prefix, after) twice, limit.
-JOBS_SQL = (
-    "SELECT job FROM fences WHERE substr(job, 1, ?) = ? AND job > ?"
-    " UNION SELECT job FROM leases WHERE substr(job, 1, ?) = ? AND job > ?"
-    " ORDER BY job LIMIT ?"
-)
-
-
-def job_view(job: str, now: float, fence: Any, lease: Any, inflight: Any, keys: Any) -> JobView:
-    """A :class:`JobView` from the rows of :data:`JOB_VIEW_SQL`."""
-    return JobView(
-        job=job,
-        now=float(now),
-        generation=None if fence is None else int(fence[0]),
-        generation_set_at=None if fence is None else float(fence[1]),
-        lease=lease_record(lease),
-        in_flight=None
-        if inflight is None
-        else (str(inflight[0]), str(inflight[1]), float(inflight[2])),
-        keys=tuple(_key_view(row) for row in keys),
-    )
-
-
-def _key_view(row: Any) -> KeyView:
-    route, key, state, generation, status, created_at, expires_at = row
-    return KeyView(
-        str(route),
-        str(key),
-        str(state),
-        int(generation),
-        None if status is None else int(status),
-        float(created_at),
-        float(expires_at),
-    )
-
-
 async def to_completion(work: Awaitable[T]) -> T:
     """Await ``work``, which runs to its end even if the caller is cancelled meanwhile
     (the caller still sees the cancellation, once ``work`` is done), however many
@@ -364,62 +309,4 @@ def key_not_held(write: FencedWrite, what: str) -> None:
         what,
         write.key,
         write.job,
-    )
-
-
-def lease_record(row: Any) -> Lease | None:
-    """A ``(job, owner, generation, lease_until, ttl, state)`` row as a Lease."""
-    if row is None:
-        return None
-    job, owner, generation, lease_until, ttl, state = row
-    return Lease(
-        str(job), str(owner), int(generation), float(lease_until), float(ttl), LeaseState(state)
-    )
-
-
-def key_record(row: Any) -> KeyRecord | None:
-    """A ``(state, fingerprint, status, headers, body, live, scope)`` row as a key's
-    record. A key in flight whose write no longer holds its job's in-flight record
-    (``live`` false: that proxy died, or the record expired) reads as unknown."""
-    if row is None:
-        return None
-    state, fp, status, headers, body, live, scope = row
-    response = None
-    if state == KeyState.COMPLETED:
-        pairs = tuple((str(k), str(v)) for k, v in json.loads(headers))
-        response = StoredResponse(status=int(status), headers=pairs, body=body)
-    elif state == KeyState.IN_FLIGHT and not live:
-        state = KeyState.UNKNOWN
-    return KeyRecord(
-        state=KeyState(state), fingerprint=bytes(fp), response=response, scope=bytes(scope)
-    )
-
-
-def key_row(write: FencedWrite, now: float, ttl: float) -> tuple[Any, ...]:
-    """A key going in flight, as the columns ``(route, job, key, fingerprint, scope,
-    generation, holder, created_at, expires_at)``."""
-    return (
-        write.route,
-        write.job,
-        write.key,
-        write.fingerprint,
-        write.scope,
-        write.generation,
-        write.turn,
-        now,
-        now + ttl,
-    )
-
-
-def lease_row(lease: Lease, now: float) -> tuple[Any, ...]:
-    """A lease as the columns ``(job, owner, generation, lease_until, ttl, state,
-    updated_at)``."""
-    return (
-        lease.job_id,
-        lease.owner,
-        lease.generation,
-        lease.lease_until,
-        lease.ttl,
-        lease.state.value,
-        now,
     )

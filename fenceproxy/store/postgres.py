@@ -36,21 +36,9 @@ from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, Busy, FencedWrite, StoredResponse
 from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
+from . import rows
 from .asyncpg_errors import ERRORS, failed
-from .base import (
-    JOB_VIEW_SQL,
-    JOBS_SQL,
-    Decision,
-    JobView,
-    Store,
-    job_view,
-    key_not_held,
-    key_record,
-    key_row,
-    lease_record,
-    lease_row,
-    to_completion,
-)
+from .base import Decision, JobView, Store, key_not_held, to_completion
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -325,10 +313,12 @@ class PostgresStore(Store):
             now, current = await _one(conn, _READ, write.job, clock)
             record = None
             if write.key is not None:
-                record = key_record(await conn.fetchrow(_READ_KEY, write.job, write.key, clock))
+                record = rows.key_record(
+                    await conn.fetchrow(_READ_KEY, write.job, write.key, clock)
+                )
             lease = None
             if write.check_lease:
-                lease = lease_record(await conn.fetchrow(_LEASE, write.job))
+                lease = rows.lease_record(await conn.fetchrow(_LEASE, write.job))
             decision = decide_write(write, current, record, lease, now)
             if not isinstance(decision, Admit):
                 raise _Undo((decision, recorded_at))
@@ -350,7 +340,7 @@ class PostgresStore(Store):
                     " generation = excluded.generation, holder = excluded.holder,"
                     " status = NULL, headers = NULL, body = NULL,"
                     " created_at = excluded.created_at, expires_at = excluded.expires_at",
-                    *key_row(write, now, self._key_ttl),
+                    *rows.key_row(write, now, self._key_ttl),
                 )
             return decision, recorded_at
 
@@ -415,7 +405,7 @@ class PostgresStore(Store):
             # The job's lock, alone: no other lease change and no admission of the job
             # (they take it shared) runs until this commits, on any proxy.
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", job)
-            current = lease_record(await conn.fetchrow(_LEASE, job))
+            current = rows.lease_record(await conn.fetchrow(_LEASE, job))
             now, fence, in_flight_until = await _one(conn, _READ_FOR_LEASE, job, self._clock())
             fence = None if fence is None else int(fence)
             result = decide_lease(change, current, fence, in_flight_until, now)
@@ -428,7 +418,7 @@ class PostgresStore(Store):
                     " ON CONFLICT (job) DO UPDATE SET owner = excluded.owner,"
                     " generation = excluded.generation, lease_until = excluded.lease_until,"
                     " ttl = excluded.ttl, state = excluded.state, updated_at = excluded.updated_at",
-                    *lease_row(result, now),
+                    *rows.lease_row(result, now),
                 )
             return result, float(now)
 
@@ -436,7 +426,7 @@ class PostgresStore(Store):
 
     async def lease(self, job: str) -> tuple[Lease | None, float]:
         async def tx(conn: _Conn) -> tuple[Lease | None, float]:
-            lease = lease_record(await conn.fetchrow(_LEASE, job))
+            lease = rows.lease_record(await conn.fetchrow(_LEASE, job))
             now = await conn.fetchval(_sql(f"SELECT {_NOW}"), self._clock())
             return lease, float(now)
 
@@ -445,19 +435,19 @@ class PostgresStore(Store):
     async def inspect(self, job: str) -> JobView:
         async def tx(conn: _Conn) -> JobView:
             fence, lease, inflight = [
-                await conn.fetchrow(_numbered(sql), job) for sql in JOB_VIEW_SQL[:3]
+                await conn.fetchrow(_numbered(sql), job) for sql in rows.JOB_VIEW_SQL[:3]
             ]
-            keys = await conn.fetch(_numbered(JOB_VIEW_SQL[3]), job)
+            keys = await conn.fetch(_numbered(rows.JOB_VIEW_SQL[3]), job)
             now = await conn.fetchval(_sql(f"SELECT {_NOW}"), self._clock())
-            return job_view(job, now, fence, lease, inflight, keys)
+            return rows.job_view(job, now, fence, lease, inflight, keys)
 
         return await self._run(tx)
 
     async def jobs(self, prefix: str, after: str, limit: int) -> list[str]:
         async def tx(conn: _Conn) -> list[str]:
             page = (len(prefix), prefix, after)
-            rows = await conn.fetch(_numbered(JOBS_SQL), *page, *page, limit)
-            return [str(row[0]) for row in rows]
+            found = await conn.fetch(_numbered(rows.JOBS_SQL), *page, *page, limit)
+            return [str(row[0]) for row in found]
 
         return await self._run(tx, transaction=False)
 

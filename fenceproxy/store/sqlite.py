@@ -42,20 +42,8 @@ from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, Busy, FencedWrite, StoredResponse
 from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
-from . import sqlite_errors
-from .base import (
-    JOB_VIEW_SQL,
-    JOBS_SQL,
-    Decision,
-    JobView,
-    Store,
-    job_view,
-    key_not_held,
-    key_record,
-    key_row,
-    lease_record,
-    lease_row,
-)
+from . import rows, sqlite_errors
+from .base import Decision, JobView, Store, key_not_held
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -266,8 +254,10 @@ class SQLiteStore(Store):
             record = None
             if write.key is not None:
                 key = {"now": now, "job": write.job, "key": write.key}
-                record = key_record(tx.one(_KEY_SQL, key))
-            lease = lease_record(tx.one(_LEASE_SQL, (write.job,))) if write.check_lease else None
+                record = rows.key_record(tx.one(_KEY_SQL, key))
+            lease = (
+                rows.lease_record(tx.one(_LEASE_SQL, (write.job,))) if write.check_lease else None
+            )
             decision = decide_write(write, current, record, lease, now)
             if not isinstance(decision, Admit):
                 return decision, recorded_at
@@ -289,7 +279,7 @@ class SQLiteStore(Store):
                     "INSERT OR REPLACE INTO idempotency_keys (route, job, key, state,"
                     " fingerprint, scope, generation, holder, created_at, expires_at)"
                     " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?, ?)",
-                    key_row(write, now, self._key_ttl),
+                    rows.key_row(write, now, self._key_ttl),
                 )
             return decision, recorded_at
 
@@ -345,7 +335,7 @@ class SQLiteStore(Store):
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         def op(tx: _Batch) -> tuple[Lease | Refusal, float]:
             now = self._clock()
-            current = lease_record(tx.one(_LEASE_SQL, (job,)))
+            current = rows.lease_record(tx.one(_LEASE_SQL, (job,)))
             fence = tx.fence(job)
             turn = tx.one("SELECT expires_at FROM inflight WHERE job = ?", (job,))
             result = decide_lease(change, current, fence, None if turn is None else turn[0], now)
@@ -353,7 +343,7 @@ class SQLiteStore(Store):
                 tx.write(
                     "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
                     " state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    lease_row(result, now),
+                    rows.lease_row(result, now),
                 )
                 if fence is None or result.generation > fence:
                     tx.raise_fence(job, result.generation, now)
@@ -363,22 +353,22 @@ class SQLiteStore(Store):
 
     async def lease(self, job: str) -> tuple[Lease | None, float]:
         def op(tx: _Batch) -> tuple[Lease | None, float]:
-            return lease_record(tx.one(_LEASE_SQL, (job,))), self._clock()
+            return rows.lease_record(tx.one(_LEASE_SQL, (job,))), self._clock()
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
     async def inspect(self, job: str) -> JobView:
         def op(tx: _Batch) -> JobView:
-            fence, lease, inflight = (tx.one(sql, (job,)) for sql in JOB_VIEW_SQL[:3])
-            keys = tx.conn.execute(JOB_VIEW_SQL[3], (job,)).fetchall()
-            return job_view(job, self._clock(), fence, lease, inflight, keys)
+            fence, lease, inflight = (tx.one(sql, (job,)) for sql in rows.JOB_VIEW_SQL[:3])
+            keys = tx.conn.execute(rows.JOB_VIEW_SQL[3], (job,)).fetchall()
+            return rows.job_view(job, self._clock(), fence, lease, inflight, keys)
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
     async def jobs(self, prefix: str, after: str, limit: int) -> list[str]:
         def op(tx: _Batch) -> list[str]:
             page = (len(prefix), prefix, after)
-            return [row[0] for row in tx.conn.execute(JOBS_SQL, (*page, *page, limit))]
+            return [row[0] for row in tx.conn.execute(rows.JOBS_SQL, (*page, *page, limit))]
 
         return await self._submit(op)  # type: ignore[no-any-return]
 
