@@ -59,14 +59,21 @@ Responder = Callable[[web.Request, "Received"], Awaitable[web.StreamResponse]]
 
 
 class ProxyTestServer(BaseTestServer):
-    """``proxy`` served on loopback: opened when the server starts, closed after it."""
+    """``proxy`` served on loopback: opened when the server starts, closed after it.
 
-    def __init__(self, proxy: FenceProxy, **kwargs: Any) -> None:
+    It runs as ``fenceproxy serve`` does: a handler is not cancelled when its client
+    leaves (aiohttp's test servers cancel it), unless ``handler_cancellation``."""
+
+    def __init__(
+        self, proxy: FenceProxy, *, handler_cancellation: bool = False, **kwargs: Any
+    ) -> None:
         self.proxy = proxy
+        self.handler_cancellation = handler_cancellation
         super().__init__(host="127.0.0.1", **kwargs)
 
     async def _make_runner(self, **kwargs: Any) -> web.ServerRunner:
         await self.proxy.__aenter__()
+        kwargs["handler_cancellation"] = self.handler_cancellation
         return web.ServerRunner(self.proxy.server(**kwargs))
 
     async def close(self) -> None:

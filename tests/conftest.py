@@ -130,7 +130,8 @@ def start_proxy(
     aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock
 ) -> ProxyFactory:
     """Start the proxy on loopback; returns a client pointed at it. ``store`` goes to
-    the proxy, ``server_kwargs`` to aiohttp's server, the rest to the config."""
+    the proxy, ``server_kwargs`` to :class:`ProxyTestServer` (``handler_cancellation``),
+    the rest to the config."""
 
     async def start(
         routes: list[dict[str, Any]] | None = None,
@@ -141,7 +142,7 @@ def start_proxy(
     ) -> TestClient[Any, Any]:
         proxy = FenceProxy(proxy_config(routes, **top), store=store, clock=clock)
         client: TestClient[Any, Any] = await aiohttp_client(
-            ProxyTestServer(proxy), server_kwargs=server_kwargs or {}
+            ProxyTestServer(proxy, **(server_kwargs or {}))
         )
         return client
 
