@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: demo test quick servers lint typecheck model docs pytest chaos bench audit lock clean
+.PHONY: demo test quick servers lint typecheck model model-tools docs pytest chaos bench audit lock clean
 
 # Every dependency, tools included, at the versions and hashes CI tested:
 # requirements/dev.lock (and requirements/server.lock, what `serve` needs, for a
@@ -47,8 +47,26 @@ $(DEMO_STAMP): pyproject.toml requirements/demo.lock
 demo: $(DEMO_STAMP)
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m fenceproxy demo
 
+# pytest's worker processes (pytest-xdist) for `make test` and `make quick`: the tests
+# mostly wait on sockets and processes, so more workers than cores; PYTEST_WORKERS=0
+# runs them in this process. Tests are dealt out one at a time, the longest first
+# (tests/conftest.py). Not --dist loadgroup: it tells tests apart by node id, and
+# schemathesis gives all of one test's cases the same one (four would not run).
+PYTEST_WORKERS ?= 4
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxschedchunk 1)
+
 ## Lint, types, the protocol model, the documentation site and the whole test suite.
-test: lint typecheck model docs pytest
+## The model check keeps one core busy for minutes and needs nothing the rest does,
+## so it runs beside them, from the start; its report follows theirs, and its failure
+## fails the target as theirs does.
+test: model-tools servers
+	@echo "$(PYTHON) model/check.py, in the background: its report comes at the end"
+	@log=$$(mktemp); $(PYTHON) model/check.py >$$log 2>&1 & model=$$!; \
+	$(MAKE) --no-print-directory lint typecheck docs pytest; rest=$$?; \
+	wait $$model; checked=$$?; \
+	echo "--- $(PYTHON) model/check.py (ran beside the above) ---"; cat $$log; rm -f $$log; \
+	[ $$checked = 0 ] || echo "make: model/check.py failed (exit $$checked)"; \
+	[ $$rest = 0 ] && [ $$checked = 0 ]
 
 lint: $(STAMP)
 	$(BIN)/ruff check fenceproxy tests bench examples model
@@ -60,7 +78,10 @@ typecheck: $(STAMP)
 ## The protocol model (model/fenceproxy.pml) checked by spin: the protocol passes
 ## within the bounds model/check.py states, and every deliberate bug in it fails with
 ## a counterexample. Installs Debian's spin and gcc when missing (as root).
-model:
+model: model-tools
+	$(PYTHON) model/check.py
+
+model-tools:
 	@if ! command -v spin >/dev/null 2>&1 || ! command -v gcc >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing spin and gcc from Debian's packages"; \
@@ -68,7 +89,6 @@ model:
 	      apt-get install -y -qq --no-install-recommends spin gcc libc6-dev >/dev/null; \
 	  fi; \
 	fi
-	$(PYTHON) model/check.py
 
 ## The documentation site (mkdocs.yml, docs/) into site/. --strict: a broken link or
 ## anchor, or a page left out of nav, fails. Offline: no plugin fetches anything.
@@ -76,11 +96,11 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 pytest: $(STAMP) servers
-	$(BIN)/pytest
+	$(BIN)/pytest $(XDIST)
 
 ## The inner loop: lint and the tests that start no process of their own (not slow).
 quick: lint $(STAMP) servers
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest $(XDIST) -m "not slow" -q
 
 ## Servers the tests drive for real, from Debian's packages when missing (as root):
 ## nginx, the reference for how an upstream resolves a request path and the

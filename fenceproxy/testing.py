@@ -59,14 +59,21 @@ Responder = Callable[[web.Request, "Received"], Awaitable[web.StreamResponse]]
 
 
 class ProxyTestServer(BaseTestServer):
-    """``proxy`` served on loopback: opened when the server starts, closed after it."""
+    """``proxy`` served on loopback: opened when the server starts, closed after it.
 
-    def __init__(self, proxy: FenceProxy, **kwargs: Any) -> None:
+    It runs as ``fenceproxy serve`` does: a handler is not cancelled when its client
+    leaves (aiohttp's test servers cancel it), unless ``handler_cancellation``."""
+
+    def __init__(
+        self, proxy: FenceProxy, *, handler_cancellation: bool = False, **kwargs: Any
+    ) -> None:
         self.proxy = proxy
+        self.handler_cancellation = handler_cancellation
         super().__init__(host="127.0.0.1", **kwargs)
 
     async def _make_runner(self, **kwargs: Any) -> web.ServerRunner:
         await self.proxy.__aenter__()
+        kwargs["handler_cancellation"] = self.handler_cancellation
         return web.ServerRunner(self.proxy.server(**kwargs))
 
     async def close(self) -> None:
@@ -464,11 +471,18 @@ class FakeClock:
 
 
 async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    """Poll ``predicate`` on every turn of the event loop until it holds, for at
-    most ``within`` seconds (then TimeoutError). For state no event announces."""
+    """Poll ``predicate`` until it holds, for at most ``within`` seconds (then
+    TimeoutError). For state no event announces.
+
+    It is polled on every turn of the event loop at first, which catches what this
+    process does at once, then every few milliseconds: a wait on another process
+    (a proxy's log, a file it writes) must not spin, taking the CPU that process
+    needs, as it would on a machine whose cores are all busy."""
     async with asyncio.timeout(within):
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0)
+        turns = 0
+        while not predicate():
+            turns += 1
+            await asyncio.sleep(0 if turns < 100 else 0.005)
 
 
 class ProxyProcess:

@@ -88,6 +88,30 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("store_url", STORES, indirect=True)
 
 
+# The tests that take ten seconds or more (pytest --durations=20).
+LONG = (
+    "tests/test_chaos.py::test_the_same_run_without_the_fence_check_is_caught",
+    "tests/test_model.py::test_the_store_follows_the_protocol_model",
+    "tests/test_chaos.py::test_short_run_with_every_fault_has_no_violation",
+    "tests/test_chaos.py::test_two_proxies_on_postgres_killed_independently_have_no_violation",
+    "tests/test_packaging.py::test_the_wheel_and_sdist_build_and_run_in_fresh_venvs",
+    "tests/test_bench.py::",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests first (:data:`LONG`, longest first, then those marked slow),
+    the rest as they were: with ``--maxschedchunk 1`` pytest-xdist deals them out one
+    by one, so they spread over its workers from the start and none of them begins
+    near the end of the run and keeps it waiting."""
+
+    def rank(item: pytest.Item) -> int:
+        long = [n for n, prefix in enumerate(LONG) if item.nodeid.startswith(prefix)]
+        return long[0] if long else len(LONG) + (item.get_closest_marker("slow") is None)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A new SQLite file, or the session's PostgreSQL database emptied: SQLite unless
@@ -130,7 +154,8 @@ def start_proxy(
     aiohttp_client: Any, proxy_config: Callable[..., Any], clock: FakeClock
 ) -> ProxyFactory:
     """Start the proxy on loopback; returns a client pointed at it. ``store`` goes to
-    the proxy, ``server_kwargs`` to aiohttp's server, the rest to the config."""
+    the proxy, ``server_kwargs`` to :class:`ProxyTestServer` (``handler_cancellation``),
+    the rest to the config."""
 
     async def start(
         routes: list[dict[str, Any]] | None = None,
@@ -141,7 +166,7 @@ def start_proxy(
     ) -> TestClient[Any, Any]:
         proxy = FenceProxy(proxy_config(routes, **top), store=store, clock=clock)
         client: TestClient[Any, Any] = await aiohttp_client(
-            ProxyTestServer(proxy), server_kwargs=server_kwargs or {}
+            ProxyTestServer(proxy, **(server_kwargs or {}))
         )
         return client
 
