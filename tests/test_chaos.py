@@ -41,7 +41,9 @@ async def test_short_run_with_every_fault_has_no_violation() -> None:
     assert c["completed"] > 5, out.getvalue()
     assert c["duplicates"] >= 1, out.getvalue()
     assert c["stale"] >= 1, out.getvalue()  # stale writes did reach the proxy
-    assert c["leases lost"] > c["stalls"], out.getvalue()  # SIGSTOPs cost leases too
+    # Each stall costs its lease, and so does a pause of a holder (a pause lasts 1.5 to 3
+    # leases). With no holder at the moment, a pause may fall on a worker between jobs.
+    assert c["leases lost"] >= c["stalls"] + min(c["holders paused"], 1), out.getvalue()
 
 
 @pytest.mark.slow

@@ -79,7 +79,9 @@ class _Run:
     dir: Path
     rng: random.Random
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
-    report_counts: dict[str, int] = field(default_factory=lambda: {"crashes": 0, "sigstops": 0})
+    report_counts: dict[str, int] = field(
+        default_factory=lambda: {"crashes": 0, "sigstops": 0, "holders paused": 0}
+    )
     job_prefix: str = field(default_factory=lambda: f"{random.getrandbits(32):08x}-")
     """Jobs are named apart per run: a shared database may hold an earlier run's."""
 
@@ -229,6 +231,7 @@ async def _inject(run: _Run, proxies: list[ProxyProcess]) -> None:
                 worker.send_signal(signal.SIGSTOP)
                 stopped.add(n)
                 run.report_counts["sigstops"] += 1
+                run.report_counts["holders paused"] += bool(holders)
                 pause = _TTL * rng.uniform(1.5, 3)
                 resumes.append(asyncio.create_task(_resume(worker, pause, stopped, n)))
         else:

@@ -70,6 +70,7 @@ class Report:
             ("leases lost", "leases lost"),
             ("in-process stalls", "stalls"),
             ("SIGSTOP pauses", "sigstops"),
+            ("  of a lease's holder", "holders paused"),
             ("proxy crashes survived", "crashes"),
             ("violations", "violations"),
         ]
