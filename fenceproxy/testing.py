@@ -52,6 +52,7 @@ __all__ = [
     "drop_connection",
     "eventually",
     "free_port",
+    "listening",
     "status",
 ]
 
@@ -220,6 +221,20 @@ class RawRequest:
         return [v for n, v in self.fields if n.lower() == name.lower()]
 
 
+@asynccontextmanager
+async def listening(
+    connection: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A server on a free loopback port whose every connection ``connection`` serves,
+    for the block; yields its URL."""
+    server = await asyncio.start_server(connection, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 class _StreamServer:
     """An upstream on loopback whose every connection ``_connection`` serves."""
 
@@ -229,13 +244,8 @@ class _StreamServer:
     @asynccontextmanager
     async def serve(cls) -> AsyncIterator[Self]:
         upstream = cls()
-        server = await asyncio.start_server(upstream._connection, "127.0.0.1", 0)
-        upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        try:
+        async with listening(upstream._connection) as upstream.url:
             yield upstream
-        finally:
-            server.close()
-            await server.wait_closed()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Each request in turn, its head read here and its body by :meth:`_take`,

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
@@ -30,6 +31,13 @@ ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 async def upstream() -> AsyncIterator[RecordingUpstream]:
     async with RecordingUpstream.serve() as up:
         yield up
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session, for tests that drive a proxy process over HTTP."""
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture(scope="session")

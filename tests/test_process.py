@@ -50,12 +50,6 @@ async def spawn(config_file: Path) -> AsyncIterator[Callable[..., ProxyProcess]]
         await process.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def write(
     http: aiohttp.ClientSession,
     proxy: ProxyProcess,

@@ -35,12 +35,6 @@ async def second() -> AsyncIterator[RecordingUpstream]:
         yield up
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 async def reload(proxy: ProxyProcess, word: str) -> str:
     """SIGHUP, then wait for the line that says how it went; that line."""
     seen = proxy.output().count(word)
@@ -53,7 +47,7 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
     tmp_path: Path,
     upstream: RecordingUpstream,
     second: RecordingUpstream,
-    session: aiohttp.ClientSession,
+    http: aiohttp.ClientSession,
 ) -> None:
     path = tmp_path / "proxy.yaml"
     store = f"sqlite:///{tmp_path / 'fences.db'}"
@@ -63,13 +57,13 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
     stack = contextlib.ExitStack()
     try:
         url = proxy.url
-        assert (await session.post(f"{url}/billing/a", headers=fence("j1", 2))).status == 200
-        assert (await session.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 404
+        assert (await http.post(f"{url}/billing/a", headers=fence("j1", 2))).status == 200
+        assert (await http.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 404
         # A write held at the first upstream while the config changes under it.
         release = upstream.hold()
         stack.callback(release)  # even when an assertion fails before its turn
         in_flight = asyncio.ensure_future(
-            session.post(f"{url}/billing/b", headers=fence("j1", 2), data=b"held")
+            http.post(f"{url}/billing/b", headers=fence("j1", 2), data=b"held")
         )
         await upstream.wait_for(2)
         write(
@@ -86,11 +80,11 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
 
         # The new routes serve the next request (of another job: j1 has a write in
         # flight), on a connection opened before.
-        answer = await session.post(f"{url}/billing/c", headers=fence("j3", 1), data=b"new")
+        answer = await http.post(f"{url}/billing/c", headers=fence("j3", 1), data=b"new")
         assert answer.status == 200
-        assert (await session.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 200
+        assert (await http.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 200
         assert [r.path_qs for r in second.received] == ["/billing/c", "/ledger/a"]
-        too_big = await session.post(f"{url}/billing/d", headers=fence("j3", 1), data=b"9 bytes!!")
+        too_big = await http.post(f"{url}/billing/d", headers=fence("j3", 1), data=b"9 bytes!!")
         assert too_big.status == 413
         # The held write finishes at the upstream it was sent to, answered whole.
         release()
@@ -98,7 +92,7 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
         assert held.status == 200
         assert [r.body for r in upstream.received] == [b"", b"held"]
         # The fence is the same store's: what it knew before the reload still holds.
-        stale = await session.post(f"{url}/billing/e", headers=fence("j1", 1))
+        stale = await http.post(f"{url}/billing/e", headers=fence("j1", 1))
         assert stale.status == 409
         # Log lines after the reload are JSON, the decision's included.
         await eventually(lambda: "stale-generation" in proxy.output())
@@ -110,7 +104,7 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
 
 
 async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
-    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
 ) -> None:
     path = tmp_path / "proxy.yaml"
     store = f"sqlite:///{tmp_path / 'fences.db'}"
@@ -126,7 +120,7 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
             f"reload refused, the running config stays: {path}: routes[0].upstreem: "
             "unknown key; did you mean 'upstream'?"
         )
-        assert (await session.post(f"{url}/billing/a", headers=fence("j", 1))).status == 200
+        assert (await http.post(f"{url}/billing/a", headers=fence("j", 1))).status == 200
 
         path.write_text("routes: [\n")
         line = await reload(proxy, "reload refused")
@@ -135,7 +129,7 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
         path.unlink()
         line = await reload(proxy, "reload refused")
         assert f"{path}: cannot read" in line
-        assert (await session.post(f"{url}/billing/b", headers=fence("j", 1))).status == 200
+        assert (await http.post(f"{url}/billing/b", headers=fence("j", 1))).status == 200
         assert len(upstream.received) == 2
 
         # The store and the key lifetime take a restart: the reload says so, and the
@@ -149,9 +143,9 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
             f"SQLite file {tmp_path / 'fences.db'}), idempotency.ttl (still 86400s)"
         )
         assert "WARNING" in line
-        too_big = await session.post(f"{url}/billing/c", headers=fence("j", 1), data=b"12345")
+        too_big = await http.post(f"{url}/billing/c", headers=fence("j", 1), data=b"12345")
         assert too_big.status == 413
-        stale = await session.post(f"{url}/billing/c", headers=fence("j", 0))
+        stale = await http.post(f"{url}/billing/c", headers=fence("j", 0))
         assert stale.status == 409  # the running store, which saw generation 1
         assert not (tmp_path / "other.db").exists()
         assert "Traceback" not in proxy.output()
@@ -160,7 +154,7 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
 
 
 async def test_a_file_valid_alone_is_refused_when_it_is_not_with_the_running_store(
-    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
 ) -> None:
     path = tmp_path / "proxy.yaml"
     route = {"name": "billing", "path": "/billing/", "upstream": upstream.url,
@@ -174,7 +168,7 @@ async def test_a_file_valid_alone_is_refused_when_it_is_not_with_the_running_sto
         line = await reload(proxy, "reload refused")
         assert "routes[0].fence.check_lease is on, and no lease API shares" in line
         assert line.endswith("(checked with store as running: a restart changes those)")
-        claim = await session.post(f"{proxy.url}/_leases/j/claim", json={"owner": "w"})
+        claim = await http.post(f"{proxy.url}/_leases/j/claim", json={"owner": "w"})
         assert claim.status == 200  # the lease API is still there
     finally:
         await proxy.stop()
@@ -223,7 +217,7 @@ async def test_systemd_is_told_once_the_proxy_listens(
 
 
 async def test_a_write_retried_after_its_route_was_renamed_is_replayed_not_applied_again(
-    tmp_path: Path, upstream: RecordingUpstream, session: aiohttp.ClientSession
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
 ) -> None:
     path = tmp_path / "proxy.yaml"
     store = f"sqlite:///{tmp_path / 'fences.db'}"
@@ -234,13 +228,13 @@ async def test_a_write_retried_after_its_route_was_renamed_is_replayed_not_appli
     try:
         headers = {**fence("j", 3), "Idempotency-Key": "charge-1"}
         url = f"{proxy.url}/orders/charges"
-        first = asyncio.ensure_future(session.post(url, headers=headers, data=b"charge $10"))
+        first = asyncio.ensure_future(http.post(url, headers=headers, data=b"charge $10"))
         await upstream.wait_for(1)
         write(path, store=store, routes=[{**route, "name": "orders-v2"}])
         await reload(proxy, "reloaded")
         release()
         assert (await first).status == 200
-        retry = await session.post(url, headers=headers, data=b"charge $10")
+        retry = await http.post(url, headers=headers, data=b"charge $10")
         assert retry.status == 200
         assert retry.headers["Idempotent-Replayed"] == "true"
         assert len(upstream.received) == 1

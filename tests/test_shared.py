@@ -50,12 +50,6 @@ async def spawn(
         await process.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def write(
     http: aiohttp.ClientSession, proxy: ProxyProcess, job: str, generation: int, **body: Any
 ) -> tuple[int, str]:

@@ -19,7 +19,7 @@ from fenceproxy.errors import UpstreamError, UpstreamFailed, UpstreamTimeout, Up
 from fenceproxy.http.http1 import Origin
 from fenceproxy.http.routes import Route
 from fenceproxy.http.upstream import UpstreamPool
-from fenceproxy.testing import RawRequest, free_port
+from fenceproxy.testing import RawRequest, free_port, listening
 
 from .conftest import ProxyFactory, raw_request
 
@@ -69,12 +69,8 @@ class ScriptedUpstream:
 @asynccontextmanager
 async def scripted(script: Script) -> AsyncIterator[ScriptedUpstream]:
     upstream = ScriptedUpstream(script)
-    server = await asyncio.start_server(upstream._connection, "127.0.0.1", 0)
-    upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
+    async with listening(upstream._connection) as upstream.url:
         yield upstream
-    finally:
-        server.close()
 
 
 def always(answer: bytes | None, hang_up: bool = False) -> Script:
