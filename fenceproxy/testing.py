@@ -531,13 +531,16 @@ class ProxyProcess:
             "--listen", f"127.0.0.1:{port}", "--admin", self.admin_url.removeprefix("http://"),
             *args,
         ]  # fmt: skip
+        self._ports = [port] if "--admin" in args else [port, int(self.admin_url.rsplit(":", 1)[1])]
+        """What start() waits for: the proxy's port, and its admin's unless args set one."""
         self._log = (  # closed by stop()
             tempfile.TemporaryFile() if log is None else open(log, "a+b")  # noqa: SIM115
         )
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self, within: float = 20.0) -> ProxyProcess:
-        """Start it and wait until it accepts connections; RuntimeError if it exits."""
+        """Start it and wait until both its listeners accept connections (the admin
+        one opens last); RuntimeError if it exits."""
         nofile, fsize = self._nofile, self._fsize
 
         def limits() -> None:
@@ -555,18 +558,20 @@ class ProxyProcess:
             preexec_fn=None if nofile is None and fsize is None else limits,
         )
         async with asyncio.timeout(within):
-            while True:
-                if self.process.returncode is not None:
-                    raise RuntimeError(
-                        f"fenceproxy exited {self.process.returncode}: {self.output()}"
-                    )
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                except OSError:
-                    await asyncio.sleep(0.02)
-                    continue
-                writer.close()
-                return self
+            for port in self._ports:
+                while True:
+                    if self.process.returncode is not None:
+                        raise RuntimeError(
+                            f"fenceproxy exited {self.process.returncode}: {self.output()}"
+                        )
+                    try:
+                        _, writer = await asyncio.open_connection("127.0.0.1", port)
+                    except OSError:
+                        await asyncio.sleep(0.02)
+                        continue
+                    writer.close()
+                    break
+        return self
 
     async def restart(self, within: float = 20.0) -> ProxyProcess:
         """Start it again, same port and store, after it exited."""
@@ -597,8 +602,28 @@ class ProxyProcess:
         self._log.close()
 
 
+_PORTS_PER_WORKER = 1000
+_next_port = [os.getpid() % _PORTS_PER_WORKER]  # children of a test start elsewhere
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now and that no other test process hands out.
+
+    Not the kernel's pick (port 0): that comes from the ephemeral range, which the
+    client side of every connection draws from too, and another test process running
+    beside this one (pytest-xdist) could be handed it a moment later. Each process
+    takes its ports from its own block below the ephemeral range, in turn.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    first = 20000 + (index % 12) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = first + _next_port[0] % _PORTS_PER_WORKER
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + _PORTS_PER_WORKER - 1}")
