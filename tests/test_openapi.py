@@ -6,6 +6,7 @@ answer (a success or a refusal) of the status, type and shape the file says."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.specs.openapi.checks import negative_data_rejection
+from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 from fenceproxy.errors import FencingHeaderMalformed
 from fenceproxy.fence.fencing import parse_job
@@ -93,13 +94,27 @@ def negative_data_rejected(ctx: Any, response: Any, case: schemathesis.Case) -> 
     return negative_data_rejection(ctx, response, case)
 
 
+_JOB_PARAMETER = json.loads(SPEC.read_text())["paths"]["/{job}"]["get"]["parameters"][0]
+_JOB = re.compile(_JOB_PARAMETER["schema"]["pattern"])
+
+
+def positive_data_accepted(ctx: Any, response: Any, case: schemathesis.Case) -> bool | None:
+    """schemathesis's own check that valid data is taken, passed over for a case it
+    labels valid whose job id is outside the file's own pattern (it draws one now and
+    then, a control character in it): the API refuses such a job id, as it must."""
+    job = (case.path_parameters or {}).get("job")
+    if isinstance(job, str) and not _JOB.search(job):
+        return None
+    return positive_data_acceptance(ctx, response, case)
+
+
 @schema.parametrize()
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_answer_is_what_the_description_says(case: schemathesis.Case, lease_api: str) -> None:
     case.call_and_validate(
         base_url=f"{lease_api}/leases",
-        excluded_checks=[negative_data_rejection],
-        additional_checks=[negative_data_rejected],
+        excluded_checks=[negative_data_rejection, positive_data_acceptance],
+        additional_checks=[negative_data_rejected, positive_data_accepted],
     )
 
 
