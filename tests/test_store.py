@@ -96,15 +96,12 @@ async def test_a_fault_inside_a_transaction_undoes_it_and_tells_its_callers(
         # Nothing of the failed write stays: no fence, no in-flight record.
         assert await store.generation("b") is None
         assert isinstance(await admit(store, keyed("b", 5, "retry")), Admit)
-        if isinstance(store, SQLiteStore):
-            # One batch, one transaction: its other writes were undone with it, and
-            # their callers were told.
-            assert all(isinstance(o, StoreError) for o in outcomes)
-            assert await store.generation("a") is None
-        else:
-            # One transaction per write: the others are untouched.
-            assert outcomes[0] == outcomes[2] == Admit(raise_to=5)
-            assert await store.generation("a") == 5
+        # One batch, one transaction: its other writes were undone with it, and their
+        # callers were told; nothing of them stays either.
+        assert all(isinstance(o, StoreError) for o in outcomes)
+        assert await store.generation("a") is None
+        assert (await store.inspect("c")).known is False
+        assert isinstance(await admit(store, keyed("a", 5, "k")), Admit)
         assert isinstance(await admit(store, FencedWrite("r", "d", 1)), Admit)  # then on
     finally:
         await store.close()
@@ -308,13 +305,13 @@ async def test_postgres_must_be_migrated_before_it_serves(
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 4" in capsys.readouterr().out
+    assert "schema version 0 -> 5" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 4, up to date" in capsys.readouterr().out
+    assert "schema version 5, up to date" in capsys.readouterr().out
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 4"):
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 5"):
         await PostgresStore.open(fresh_postgres)
 
 
@@ -358,7 +355,7 @@ async def test_a_postgres_store_of_the_previous_version_keeps_its_keys_from_ever
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 3 -> 4" in capsys.readouterr().out
+    assert "schema version 3 -> 5" in capsys.readouterr().out
     conn = await asyncpg.connect(fresh_postgres)
     try:
         rows = await conn.fetch("SELECT key, state, body, scope FROM idempotency_keys")

@@ -4,7 +4,6 @@ grouped commits, expiry."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 from typing import Literal
 
@@ -165,9 +164,7 @@ async def test_concurrent_writes_of_many_jobs_share_commits(store_path: Path) ->
 async def test_work_waiting_on_a_writer_that_stopped_fails_at_once(store_path: Path) -> None:
     store = await SQLiteStore.open(store_path)
     try:
-        store._writer.cancel()  # as when the event loop shuts down under it
-        with contextlib.suppress(asyncio.CancelledError):
-            await store._writer
+        await store._batches.cancel()  # as when the event loop shuts down under it
         async with asyncio.timeout(5):
             with pytest.raises(StoreError):
                 await admit(store, FencedWrite("r", "j", 1))

@@ -24,21 +24,24 @@ and where :meth:`~PostgresStore.open` and :meth:`~PostgresStore.migrate` connect
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
 
 from ..errors import Refusal, StoreError
-from ..fence.fencing import Admit, Busy, FencedWrite, StoredResponse
+from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from . import rows
 from .asyncpg_errors import ERRORS, failed
 from .base import Decision, JobView, Store, key_not_held, to_completion
+from .batch import Batches
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -48,6 +51,106 @@ if TYPE_CHECKING:  # subscriptable in the type stubs only
     from asyncpg.pool import PoolConnectionProxy
 
     _Conn = PoolConnectionProxy[asyncpg.Record]
+
+# One batch's first step, in one call (see PostgresStore._run_batch). Its arrays hold
+# one operation each, sorted by job: every row lock and advisory lock a batch takes is
+# taken job after job in that one order, whatever the operations' kinds, so two
+# batches (of one proxy or of two) never wait for each other in a circle. A take
+# holds the job's advisory lock (shared) until the commit, and its in-flight record
+# if it was free; the reads that follow are a statement of their own, so they see
+# every commit made before the records were won.
+_BATCH_FUNCTION = """
+CREATE FUNCTION fenceproxy_batch(
+    kinds text[], jobs text[], turns text[], seconds double precision[], keys text[],
+    check_leases boolean[], statuses integer[], headers text[], bodies bytea[],
+    clock double precision, key_ttl double precision
+) RETURNS TABLE (
+    r_n integer, r_now double precision, r_changed boolean, r_got boolean,
+    r_prior_holder text, r_prior_state text, r_prior_expires double precision,
+    r_record_state text, r_record_expires double precision, r_fence bigint,
+    r_key_state text, r_key_fingerprint bytea, r_key_status integer, r_key_headers text,
+    r_key_body bytea, r_key_live boolean, r_key_scope bytea,
+    r_lease_job text, r_lease_owner text, r_lease_generation bigint,
+    r_lease_until double precision, r_lease_ttl double precision, r_lease_state text
+) LANGUAGE plpgsql AS $$
+DECLARE
+    n integer;
+    t double precision;
+    changed integer;
+    taken integer[] := '{}';
+    got boolean[] := '{}';
+    prior_holders text[] := '{}';
+    prior_states text[] := '{}';
+    prior_expires double precision[] := '{}';
+    prior inflight%ROWTYPE;
+BEGIN
+    FOR n IN 1 .. coalesce(array_length(kinds, 1), 0) LOOP
+        t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+        IF kinds[n] = 'take' THEN
+            PERFORM pg_advisory_xact_lock_shared(hashtextextended(jobs[n], 0));
+            -- What the record was, to put back if the write is refused.
+            prior := NULL;
+            SELECT * INTO prior FROM inflight i WHERE i.job = jobs[n] FOR UPDATE;
+            INSERT INTO inflight AS i (job, holder, state, expires_at)
+            VALUES (jobs[n], turns[n], 'in_flight', t + seconds[n])
+            ON CONFLICT (job) DO UPDATE
+                SET holder = excluded.holder, state = 'in_flight', expires_at = excluded.expires_at
+                WHERE i.expires_at <= t OR i.holder = excluded.holder;
+            GET DIAGNOSTICS changed = ROW_COUNT;
+            taken := taken || n;
+            got := got || (changed > 0);
+            prior_holders := prior_holders || prior.holder;
+            prior_states := prior_states || prior.state;
+            prior_expires := prior_expires || prior.expires_at;
+            CONTINUE;
+        ELSIF kinds[n] = 'end' THEN
+            DELETE FROM inflight WHERE job = jobs[n] AND holder = turns[n];
+        ELSIF kinds[n] = 'hold' THEN
+            UPDATE inflight SET state = 'unknown', expires_at = GREATEST(expires_at, t + seconds[n])
+            WHERE job = jobs[n] AND holder = turns[n];
+        ELSIF kinds[n] = 'complete' THEN
+            UPDATE idempotency_keys SET state = 'completed', status = statuses[n],
+                headers = fenceproxy_batch.headers[n], body = bodies[n],
+                expires_at = GREATEST(expires_at, t + key_ttl)
+            WHERE job = jobs[n] AND key = keys[n] AND state = 'in_flight' AND holder = turns[n];
+        ELSIF kinds[n] = 'unknown' THEN
+            UPDATE idempotency_keys SET state = 'unknown',
+                expires_at = GREATEST(expires_at, t + key_ttl)
+            WHERE job = jobs[n] AND key = keys[n] AND state = 'in_flight' AND holder = turns[n];
+        ELSIF kinds[n] = 'forget' THEN
+            DELETE FROM idempotency_keys
+            WHERE job = jobs[n] AND key = keys[n] AND state = 'in_flight' AND holder = turns[n];
+        ELSE
+            RAISE EXCEPTION 'fenceproxy_batch: no operation %', kinds[n];
+        END IF;
+        GET DIAGNOSTICS changed = ROW_COUNT;
+        r_n := n;
+        r_changed := changed > 0;
+        RETURN NEXT;
+    END LOOP;
+    IF cardinality(taken) = 0 THEN
+        RETURN;
+    END IF;
+    t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+    RETURN QUERY
+    SELECT u.n, t, NULL::boolean, u.got, u.holder, u.state, u.expires_at,
+           i.state, i.expires_at, f.generation,
+           k.state, k.fingerprint, k.status, k.headers, k.body,
+           EXISTS (SELECT 1 FROM inflight h WHERE h.job = k.job AND h.holder = k.holder
+                   AND h.expires_at > t),
+           k.scope, l.job, l.owner, l.generation, l.lease_until, l.ttl, l.state
+    FROM unnest(taken, got, prior_holders, prior_states, prior_expires)
+        AS u(n, got, holder, state, expires_at)
+    LEFT JOIN inflight i ON i.job = jobs[u.n]
+    LEFT JOIN fences f ON f.job = jobs[u.n]
+    LEFT JOIN idempotency_keys k ON k.job = jobs[u.n] AND k.key = keys[u.n]
+        AND (k.expires_at > t
+             OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight h
+                 WHERE h.job = k.job AND h.holder = k.holder AND h.expires_at > t)))
+    LEFT JOIN leases l ON l.job = jobs[u.n] AND check_leases[u.n];
+END
+$$;
+"""
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -114,6 +217,11 @@ COMMENT ON TABLE inflight IS
     4: """
 ALTER TABLE idempotency_keys ADD COLUMN scope bytea NOT NULL DEFAULT ''::bytea;
 """,
+    # Admissions and settlements in batches: one call takes the in-flight records and
+    # settles what ended, job by job in the order given, then reads what each
+    # admission decides on. A proxy from before would not take its jobs in order, so
+    # could deadlock with these: the version keeps it out.
+    5: _BATCH_FUNCTION,
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 _VERSION_TABLE = "fenceproxy_schema"
@@ -136,48 +244,12 @@ def _sql(statement: str) -> str:
     return statement.replace("$clock", f"${count + 1}")
 
 
-# The job's advisory lock, shared: admissions of a job do not wait for each other
-# (its in-flight record orders them), but a lease change, which holds the lock
-# alone, waits for them, and they for it.
-_TAKE_TURN = _sql(
-    f"""
-WITH now AS (SELECT {_NOW} AS t, pg_advisory_xact_lock_shared(hashtextextended($1, 0))),
-taken AS (
-    INSERT INTO inflight AS i (job, holder, state, expires_at)
-    SELECT $1, $2, 'in_flight', now.t + $3 FROM now
-    ON CONFLICT (job) DO UPDATE
-        SET holder = excluded.holder, state = 'in_flight', expires_at = excluded.expires_at
-        WHERE i.expires_at <= (SELECT t FROM now) OR i.holder = excluded.holder
-    RETURNING 1
-)
-SELECT (SELECT t FROM now), EXISTS (SELECT 1 FROM taken),
-       (SELECT state FROM inflight WHERE job = $1), (SELECT expires_at FROM inflight WHERE job = $1)
-"""
-)
-_READ = _sql(
-    f"""
-SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1)
-"""
-)
 # What a lease change decides on besides the lease: the store's clock, the fence
 # and the in-flight record, read under the job's lock.
 _READ_FOR_LEASE = _sql(
     f"""
 SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1),
        (SELECT expires_at FROM inflight WHERE job = $1)
-"""
-)
-_READ_KEY = _sql(
-    f"""
-SELECT k.state, k.fingerprint, k.status, k.headers, k.body,
-       EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
-               AND i.expires_at > {_NOW}),
-       k.scope
-FROM idempotency_keys k
-WHERE k.job = $1 AND k.key = $2
-  AND (k.expires_at > {_NOW}
-       OR EXISTS (SELECT 1 FROM inflight i WHERE i.job = k.job AND i.holder = k.holder
-                  AND k.state = 'in_flight' AND i.expires_at > {_NOW}))
 """
 )
 _RAISE_FENCE = """
@@ -187,6 +259,44 @@ ON CONFLICT (job) DO UPDATE
 RETURNING generation
 """
 _LEASE = "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = $1"
+_BATCH = "SELECT * FROM fenceproxy_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+# A batch's second step, for the takes it admitted and refused: the fences only ever
+# rise, the keys go in flight, the records of refused writes are given back. Every row
+# it touches belongs to a job whose in-flight record this transaction holds (or, for
+# a fence, whose advisory lock it holds shared, which a lease change waits for), so
+# it waits for no other batch.
+_APPLY = """
+WITH raised AS (
+    INSERT INTO fences AS f (job, generation, updated_at)
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::double precision[])
+    ON CONFLICT (job) DO UPDATE
+        SET generation = GREATEST(f.generation, excluded.generation),
+            updated_at = excluded.updated_at
+), keyed AS (
+    INSERT INTO idempotency_keys (route, job, key, state, fingerprint, scope, generation,
+                                  holder, created_at, expires_at)
+    SELECT route, job, key, 'in_flight', fingerprint, scope, generation, holder,
+           created_at, expires_at
+    FROM unnest($4::text[], $5::text[], $6::text[], $7::bytea[], $8::bytea[], $9::bigint[],
+                $10::text[], $11::double precision[], $12::double precision[])
+        AS u(route, job, key, fingerprint, scope, generation, holder, created_at, expires_at)
+    ON CONFLICT (job, key) DO UPDATE SET route = excluded.route, state = 'in_flight',
+        fingerprint = excluded.fingerprint, scope = excluded.scope,
+        generation = excluded.generation, holder = excluded.holder,
+        status = NULL, headers = NULL, body = NULL,
+        created_at = excluded.created_at, expires_at = excluded.expires_at
+), put_back AS (
+    SELECT * FROM unnest($13::text[], $14::text[], $15::text[], $16::text[],
+                         $17::double precision[]) AS u(job, turn, holder, state, expires_at)
+), restored AS (
+    UPDATE inflight i SET holder = u.holder, state = u.state, expires_at = u.expires_at
+    FROM put_back u WHERE i.job = u.job AND i.holder = u.turn AND u.holder IS NOT NULL
+), removed AS (
+    DELETE FROM inflight i USING put_back u
+    WHERE i.job = u.job AND i.holder = u.turn AND u.holder IS NULL
+)
+SELECT 1
+"""
 
 
 async def _one(conn: _Conn, statement: str, *args: Any) -> asyncpg.Record:
@@ -221,6 +331,7 @@ class PostgresStore(Store):
         self._where = where
         self._acquire_timeout = acquire_timeout
         self._closing = False
+        self._batches: Batches[_Op] = Batches(self._run_batch, name="fenceproxy-postgres-batches")
         self._start_purging(purge_interval)
 
     @classmethod
@@ -303,95 +414,21 @@ class PostgresStore(Store):
 
     # -- the interface --------------------------------------------------------
 
-    def _admit(self, write: FencedWrite) -> Awaitable[Decision]:
-        async def tx(conn: _Conn) -> Decision:
-            clock = self._clock()
-            recorded_at = time.monotonic()  # the record is dated after this
-            _, got, state, expires = await _one(
-                conn, _TAKE_TURN, write.job, write.turn, write.hold, clock
-            )
-            now, current = await _one(conn, _READ, write.job, clock)
-            record = None
-            if write.key is not None:
-                record = rows.key_record(
-                    await conn.fetchrow(_READ_KEY, write.job, write.key, clock)
-                )
-            lease = None
-            if write.check_lease:
-                lease = rows.lease_record(await conn.fetchrow(_LEASE, write.job))
-            decision = decide_write(write, current, record, lease, now)
-            if not isinstance(decision, Admit):
-                raise _Undo((decision, recorded_at))
-            if not got:
-                busy = Busy(
-                    retry_after=max(0.0, (expires or now) - now), unknown=state == "unknown"
-                )
-                raise _Undo((busy, recorded_at))
-            if decision.raise_to is not None:
-                await conn.execute(_RAISE_FENCE, write.job, decision.raise_to, now)
-            if write.key is not None:
-                await conn.execute(
-                    "INSERT INTO idempotency_keys (route, job, key, state, fingerprint,"
-                    " scope, generation, holder, created_at, expires_at)"
-                    " VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, $8, $9)"
-                    " ON CONFLICT (job, key) DO UPDATE SET route = excluded.route,"
-                    " state = 'in_flight', fingerprint = excluded.fingerprint,"
-                    " scope = excluded.scope,"
-                    " generation = excluded.generation, holder = excluded.holder,"
-                    " status = NULL, headers = NULL, body = NULL,"
-                    " created_at = excluded.created_at, expires_at = excluded.expires_at",
-                    *rows.key_row(write, now, self._key_ttl),
-                )
-            return decision, recorded_at
-
-        return self._run(tx)
+    def _admit(self, write: FencedWrite) -> asyncio.Future[Decision]:
+        return self._submit(_Op("take", write, write.hold))
 
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
-        async def tx(conn: _Conn) -> None:
-            if unknown_for is None:
-                await conn.execute(
-                    "DELETE FROM inflight WHERE job = $1 AND holder = $2", write.job, write.turn
-                )
-            else:
-                await conn.execute(
-                    _sql(
-                        "UPDATE inflight SET state = 'unknown',"
-                        f" expires_at = GREATEST(expires_at, {_NOW} + $3)"
-                        " WHERE job = $1 AND holder = $2"
-                    ),
-                    write.job,
-                    write.turn,
-                    unknown_for,
-                    self._clock(),
-                )
-
-        await to_completion(self._run(tx, transaction=False))
+        op = _Op("end", write) if unknown_for is None else _Op("hold", write, unknown_for)
+        await to_completion(self._submit(op))
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
-        await self._update_key(
-            write,
-            "state = 'completed', status = $5, headers = $6, body = $7",
-            response.status,
-            json.dumps(response.headers),
-            response.body,
-        )
+        await to_completion(self._submit(_Op("complete", write, response=response)))
 
     async def mark_unknown(self, write: FencedWrite) -> None:
-        await self._update_key(write, "state = 'unknown'")
+        await to_completion(self._submit(_Op("unknown", write)))
 
     async def forget_key(self, write: FencedWrite) -> None:
-        async def tx(conn: _Conn) -> None:
-            status = await conn.execute(
-                "DELETE FROM idempotency_keys WHERE job = $1 AND key = $2"
-                " AND state = 'in_flight' AND holder = $3",
-                write.job,
-                write.key,
-                write.turn,
-            )
-            if not _count(status):
-                key_not_held(write, "forget")
-
-        await to_completion(self._run(tx, transaction=False))
+        await to_completion(self._submit(_Op("forget", write)))
 
     async def generation(self, job: str) -> int | None:
         async def tx(conn: _Conn) -> int | None:
@@ -457,14 +494,22 @@ class PostgresStore(Store):
     async def purge_expired(self) -> int:
         async def tx(conn: _Conn) -> int:
             clock = self._clock()
+            # Rows a batch has locked are left for the next purge (SKIP LOCKED): a
+            # purge never waits for a batch, so it can never wait in a circle with one.
             turns = await conn.execute(
-                _sql(f"DELETE FROM inflight WHERE expires_at <= {_NOW}"), clock
+                _sql(
+                    "DELETE FROM inflight WHERE ctid = ANY (ARRAY (SELECT ctid FROM inflight"
+                    f" WHERE expires_at <= {_NOW} FOR UPDATE SKIP LOCKED))"
+                ),
+                clock,
             )
             keys = await conn.execute(
                 _sql(
-                    f"DELETE FROM idempotency_keys k WHERE k.expires_at <= {_NOW}"
+                    "DELETE FROM idempotency_keys WHERE ctid = ANY (ARRAY (SELECT k.ctid"
+                    f" FROM idempotency_keys k WHERE k.expires_at <= {_NOW}"
                     " AND NOT (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight i"
                     " WHERE i.job = k.job AND i.holder = k.holder))"
+                    " FOR UPDATE OF k SKIP LOCKED))"
                 ),
                 clock,
             )
@@ -477,6 +522,7 @@ class PostgresStore(Store):
             return
         self._closing = True
         await self._stop_purging()
+        await self._batches.close()
         await self._pool.close()
 
     # -- the one boundary ----------------------------------------------------
@@ -493,45 +539,163 @@ class PostgresStore(Store):
                 if not transaction:
                     return await work(conn)
                 started = time.monotonic()
-                try:
-                    async with conn.transaction():
-                        result = await work(conn)
-                except _Undo as undo:
-                    return undo.outcome  # type: ignore[no-any-return]
+                async with conn.transaction():
+                    result = await work(conn)
                 self.on_commit(time.monotonic() - started, 1)
                 return result
         except ERRORS as exc:
             store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
             raise failed(f"PostgreSQL store failed: {type(exc).__name__}", exc) from exc
 
-    async def _update_key(self, write: FencedWrite, assignments: str, *values: Any) -> None:
-        async def tx(conn: _Conn) -> None:
-            # Remembered for the key's time from its outcome, however long it was in flight.
-            status = await conn.execute(
-                _sql(
-                    f"UPDATE idempotency_keys SET {assignments},"
-                    f" expires_at = GREATEST(expires_at, {_NOW} + $4)"
-                    " WHERE job = $1 AND key = $2 AND state = 'in_flight' AND holder = $3"
-                ),
-                write.job,
-                write.key,
-                write.turn,
-                self._key_ttl,
-                *values,
-                self._clock(),
+    # -- batches ---------------------------------------------------------------
+
+    def _submit(self, op: _Op) -> asyncio.Future[Any]:
+        if self._closing:
+            raise StoreError("the store is closed")
+        return self._batches.submit(op)
+
+    async def _run_batch(self, ops: list[_Op]) -> list[Any]:
+        """One batch: the takes and settlements in one call, job by job; each take
+        decided on what it read; the admitted ones applied and the refused ones'
+        records put back as they were in one more statement; one commit. A batch of settlements
+        alone is the one call, its own transaction. Any failure undoes the whole
+        batch, and every caller in it gets the StoreError."""
+        order = sorted(range(len(ops)), key=lambda n: ops[n].write.job)
+        batch = [ops[n] for n in order]
+        recorded_at = time.monotonic()  # every record of the batch is dated after this
+        started = time.monotonic()
+        try:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+                if all(op.kind != "take" for op in batch):
+                    found = await conn.fetch(_BATCH, *self._arguments(batch))
+                    outcomes = self._settled(batch, found)
+                else:
+                    async with conn.transaction():
+                        found = await conn.fetch(_BATCH, *self._arguments(batch))
+                        outcomes, applied = self._decided(batch, found, recorded_at)
+                        if applied.needed:
+                            await conn.execute(_APPLY, *applied.arguments())
+        except ERRORS as exc:
+            store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
+            error = failed(f"PostgreSQL store failed: {type(exc).__name__}", exc)
+            return [error] * len(ops)
+        self.on_commit(time.monotonic() - started, len(ops))
+        result: list[Any] = [None] * len(ops)
+        for n, outcome in zip(order, outcomes, strict=True):
+            result[n] = outcome
+        return result
+
+    def _arguments(self, batch: list[_Op]) -> tuple[Any, ...]:
+        """The batch as the arrays ``fenceproxy_batch`` takes, one entry per operation."""
+        responses = [op.response for op in batch]
+        return (
+            [op.kind for op in batch],
+            [op.write.job for op in batch],
+            [op.write.turn for op in batch],
+            [op.seconds for op in batch],
+            [op.write.key for op in batch],
+            [op.write.check_lease for op in batch],
+            [None if r is None else r.status for r in responses],
+            [None if r is None else json.dumps(r.headers) for r in responses],
+            [None if r is None else r.body for r in responses],
+            self._clock(),
+            self._key_ttl,
+        )
+
+    @staticmethod
+    def _settled(batch: list[_Op], found: list[asyncpg.Record]) -> list[Any]:
+        """What each settlement came to (None); a key no longer held is logged."""
+        for row in found:
+            op = batch[row["r_n"] - 1]
+            if op.kind in _KEY_SETTLEMENTS and not row["r_changed"]:
+                key_not_held(op.write, _KEY_SETTLEMENTS[op.kind])
+        return [None] * len(batch)
+
+    def _decided(
+        self, batch: list[_Op], found: list[asyncpg.Record], recorded_at: float
+    ) -> tuple[list[Any], _Applied]:
+        """Each take decided on what it read (:func:`decide_write`), and what the batch
+        is to write for those admitted and put back for those refused."""
+        takes = [row for row in found if batch[row["r_n"] - 1].kind == "take"]
+        outcomes = self._settled(batch, [row for row in found if row["r_changed"] is not None])
+        applied = _Applied()
+        for row in takes:
+            write, now = batch[row["r_n"] - 1].write, row["r_now"]
+            fence = row["r_fence"]
+            decision: Admit | Replay | Refusal | Busy = decide_write(
+                write,
+                None if fence is None else int(fence),
+                rows.key_record(row[_KEY_COLUMNS] if row["r_key_state"] is not None else None),
+                rows.lease_record(row[_LEASE_COLUMNS] if row["r_lease_job"] is not None else None),
+                now,
             )
-            if not _count(status):
-                key_not_held(write, "settle")
+            if not isinstance(decision, Admit):
+                if row["r_got"]:
+                    applied.put_back(write, row)
+            elif not row["r_got"]:
+                expires = row["r_record_expires"]
+                decision = Busy(
+                    retry_after=max(0.0, (now if expires is None else expires) - now),
+                    unknown=row["r_record_state"] == "unknown",
+                )
+            else:
+                applied.admit(write, decision, now, self._key_ttl)
+            outcomes[row["r_n"] - 1] = (decision, recorded_at)
+        return outcomes, applied
 
-        await to_completion(self._run(tx, transaction=False))
+
+@dataclass(slots=True)
+class _Op:
+    """One operation of a batch: ``take`` (an admission, holding its record
+    ``seconds``), ``end`` (clear the record), ``hold`` (keep it, unknown, ``seconds``),
+    or a key settled: ``complete`` (with ``response``), ``unknown``, ``forget``."""
+
+    kind: str
+    write: FencedWrite
+    seconds: float | None = None
+    response: StoredResponse | None = None
 
 
-class _Undo(Exception):
-    """Roll the transaction back and answer ``outcome``."""
+_KEY_SETTLEMENTS = {"complete": "settle", "unknown": "settle", "forget": "forget"}
+# A take's row from fenceproxy_batch: the key's columns as rows.key_record reads them,
+# the lease's as rows.lease_record does.
+_KEY_COLUMNS = slice(10, 17)
+_LEASE_COLUMNS = slice(17, 23)
 
-    def __init__(self, outcome: Any) -> None:
-        super().__init__()
-        self.outcome = outcome
+
+@dataclass(slots=True)
+class _Applied:
+    """What a batch writes once its takes are decided: the fences raised, the keys
+    put in flight, and the records taken by writes that were refused, given back."""
+
+    fences: list[tuple[str, int, float]] = field(default_factory=list)
+    keys: list[tuple[Any, ...]] = field(default_factory=list)
+    records: list[tuple[Any, ...]] = field(default_factory=list)
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.fences or self.keys or self.records)
+
+    def admit(self, write: FencedWrite, decision: Admit, now: float, key_ttl: float) -> None:
+        if decision.raise_to is not None:
+            self.fences.append((write.job, decision.raise_to, now))
+        if write.key is not None:
+            self.keys.append(rows.key_row(write, now, key_ttl))
+
+    def put_back(self, write: FencedWrite, row: asyncpg.Record) -> None:
+        """The job's record as it was before the refused ``write`` took it (none, or
+        one that had expired)."""
+        prior = (row["r_prior_holder"], row["r_prior_state"], row["r_prior_expires"])
+        self.records.append((write.job, write.turn, *prior))
+
+    def arguments(self) -> list[list[Any]]:
+        """One array per column: the fences', the keys', the records'."""
+        columns: list[list[Any]] = []
+        for entries, width in ((self.fences, 3), (self.keys, 9), (self.records, 5)):
+            columns.extend(list(column) for column in zip(*entries, strict=True))
+            if not entries:
+                columns.extend([] for _ in range(width))
+        return columns
 
 
 async def _schema_version(conn: _Conn | asyncpg.Connection) -> int:

@@ -9,10 +9,10 @@ when it returns, so a fence survives a process crash *and* a power loss; with
 ``synchronous=normal`` it survives a process crash, and a power loss may roll back
 the last commits (so a stale write could be admitted once after it).
 
-Writes from concurrent requests are grouped: every operation waiting while a
-commit runs goes into the next transaction, so many fence updates share one
-commit (and one fsync). An operation's caller resumes only after its commit. A
-batch is undone as a whole when one of its operations fails.
+Writes from concurrent requests are grouped (:mod:`.batch`): every operation
+waiting while a commit runs goes into the next transaction, so many fence updates
+share one commit (and one fsync). An operation's caller resumes only after its
+commit. A batch is undone as a whole when one of its operations fails.
 
 The file is used through the standard library's ``sqlite3`` on one thread the store
 owns, and a whole batch (its reads, its writes and its commit) runs there in one
@@ -44,6 +44,7 @@ from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from . import rows, sqlite_errors
 from .base import Decision, JobView, Store, key_not_held
+from .batch import Batches
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -179,13 +180,11 @@ class SQLiteStore(Store):
         self._thread = thread
         self._key_ttl = key_ttl
         self._clock = clock
-        self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
-        self._wake = asyncio.Event()
         self._closing = False
         self.commits = 0
         """Transactions committed so far; fewer than operations under load."""
         self._fences: dict[str, int | None] = {}
-        self._writer = asyncio.create_task(self._write_loop(), name="fenceproxy-sqlite-writer")
+        self._batches: Batches[_Op] = Batches(self._run_batch, name="fenceproxy-sqlite-writer")
         self._start_purging(purge_interval)
 
     @classmethod
@@ -396,10 +395,8 @@ class SQLiteStore(Store):
         if self._closing:
             return
         self._closing = True
-        self._wake.set()
         await self._stop_purging()
-        if not self._writer.done():  # one that stopped already has nothing to finish
-            await self._writer
+        await self._batches.close()
         await asyncio.get_running_loop().run_in_executor(self._thread, self._conn.close)
         self._thread.shutdown(wait=False)
 
@@ -429,52 +426,25 @@ class SQLiteStore(Store):
         return await self._enqueue(op)
 
     def _enqueue(self, op: _Op) -> asyncio.Future[Any]:
-        if self._closing or self._writer.done():
+        if self._closing:
             raise StoreError("the store is closed")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, future))
-        self._wake.set()
-        return future
+        return self._batches.submit(op)
 
-    async def _write_loop(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                while self._pending:
-                    batch, self._pending = self._pending, []
-                    await self._run_batch(batch)
-                if self._closing:
-                    return
-        finally:
-            # Whatever stopped the writer, nobody waits on it for ever.
-            for _, future in self._pending:
-                if not future.done():
-                    future.set_exception(StoreError("the store's writer stopped"))
-            self._pending = []
-
-    async def _run_batch(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
-        ops = [op for op, _ in batch]
+    async def _run_batch(self, ops: list[_Op]) -> list[Any]:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         results, failure = await loop.run_in_executor(self._thread, self._transaction, ops)
         if failure is None:
             self.on_commit(time.monotonic() - started, len(ops))
-        if failure is not None:
-            # The failing operation's caller gets its error; the others, whose work
-            # was undone with it, a StoreError.
-            others = (
-                failure
-                if isinstance(failure, StoreError)
-                else StoreError("SQLite store failed: the transaction was undone")
-            )
-            for n, (_, future) in enumerate(batch):
-                if not future.done():
-                    future.set_exception(failure if n == len(results) else others)
-            return
-        for (_, future), result in zip(batch, results, strict=True):
-            if not future.done():
-                future.set_result(result)
+            return results
+        # The failing operation's caller gets its error; the others, whose work was
+        # undone with it, a StoreError.
+        others = (
+            failure
+            if isinstance(failure, StoreError)
+            else StoreError("SQLite store failed: the transaction was undone")
+        )
+        return [failure if n == len(results) else others for n in range(len(ops))]
 
     def _transaction(self, ops: list[_Op]) -> tuple[list[Any], BaseException | None]:
         """Run ``ops`` in one transaction, on the store's thread: their results, or
