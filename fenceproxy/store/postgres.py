@@ -5,20 +5,32 @@ the fences, the keys, the leases, and each job's in-flight record, which orders
 one job's writes across every proxy and outlives a proxy that dies mid-write. The
 database's clock (``clock_timestamp()``) decides every expiry.
 
-How a write is admitted, in one transaction:
+Admissions and settlements (a key completed, marked unknown or forgotten; a record
+cleared or held) that arrive together go to the database as one batch
+(:mod:`.batch`), in one transaction with one commit:
 
-1. take the job's in-flight record: an ``INSERT ... ON CONFLICT DO UPDATE`` that
-   succeeds only when the record is absent, expired or already this write's. Two
-   proxies admitting one job meet on that row: the second waits for the first's
-   commit, then finds the record live and gets :class:`~fenceproxy.fence.fencing.Busy`;
-2. read the fence and the key, in a new statement, so with a fresh snapshot taken
-   after the record was won: no admission of the job can commit in between;
-3. decide in Python (:func:`fenceproxy.fence.fencing.decide`) and write: the fence only
-   ever rises (``GREATEST``), the key goes in flight. A refusal rolls back, record
-   and all.
+1. one call of ``fenceproxy_batch`` (a server-side function, schema 5) goes through
+   the batch job by job, in the one order every proxy uses (by job id). A settlement
+   is applied. A take holds the job's advisory lock, shared, and takes the job's
+   in-flight record with an ``INSERT ... ON CONFLICT DO UPDATE`` that succeeds only
+   when the record is absent, expired or already this write's. Two proxies admitting
+   one job meet on that row: the second waits for the first's commit, then finds the
+   record live and gets :class:`~fenceproxy.fence.fencing.Busy`. Then one statement
+   reads each take's fence, key and lease, with a snapshot taken after every record
+   was won: no admission of those jobs can commit in between;
+2. each take is decided on its own, in Python (:func:`~fenceproxy.leases.model.decide_write`);
+3. one statement writes what the admitted ones need (the fence only ever rises,
+   ``GREATEST``; the key goes in flight) and puts back the records that refused
+   writes took, as they were. Then the commit.
+
+One write's refusal never undoes another's; a failure anywhere undoes the whole
+batch, and every caller in it gets the StoreError. Since every lock a batch waits
+for is taken in job order, two batches never wait for each other in a circle; the
+purge skips rows a batch holds. A batch of settlements alone is the one call.
 
 Errors of the driver and the network become :class:`~fenceproxy.errors.StoreError`
-as :mod:`.asyncpg_errors` says: in :meth:`PostgresStore._run` for every operation,
+as :mod:`.asyncpg_errors` says: in :meth:`PostgresStore._run` and
+:meth:`PostgresStore._run_batch` for every operation,
 and where :meth:`~PostgresStore.open` and :meth:`~PostgresStore.migrate` connect.
 """
 
