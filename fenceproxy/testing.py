@@ -495,6 +495,21 @@ async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> Non
             await asyncio.sleep(0 if turns < 100 else 0.005)
 
 
+async def accepting(port: int, gone: Callable[[], str | None] = lambda: None) -> None:
+    """Poll until 127.0.0.1:``port`` accepts a connection (the caller bounds the wait);
+    RuntimeError as soon as ``gone`` says why the server never will."""
+    while True:
+        if (why := gone()) is not None:
+            raise RuntimeError(why)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.02)
+            continue
+        writer.close()
+        return
+
+
 class ProxyProcess:
     """``fenceproxy serve`` in a real child process, for crash and signal tests.
 
@@ -557,20 +572,15 @@ class ProxyProcess:
             cwd=self._cwd,
             preexec_fn=None if nofile is None and fsize is None else limits,
         )
+        process = self.process
+
+        def gone() -> str | None:
+            code = process.returncode
+            return None if code is None else f"fenceproxy exited {code}: {self.output()}"
+
         async with asyncio.timeout(within):
             for port in self._ports:
-                while True:
-                    if self.process.returncode is not None:
-                        raise RuntimeError(
-                            f"fenceproxy exited {self.process.returncode}: {self.output()}"
-                        )
-                    try:
-                        _, writer = await asyncio.open_connection("127.0.0.1", port)
-                    except OSError:
-                        await asyncio.sleep(0.02)
-                        continue
-                    writer.close()
-                    break
+                await accepting(port, gone)
         return self
 
     async def restart(self, within: float = 20.0) -> ProxyProcess:

@@ -46,7 +46,7 @@ import aiohttp
 
 from ..store import migrate_store
 from ..store.url import parse_store_url
-from ..testing import ProxyProcess, free_port
+from ..testing import ProxyProcess, accepting, free_port
 from .checker import Report, check
 
 __all__ = ["FAULTS", "ChaosOptions", "main", "run_chaos"]
@@ -276,14 +276,7 @@ def _events(directory: Path) -> list[dict[str, Any]]:
 
 async def _wait_port(port: int) -> None:
     async with asyncio.timeout(20):
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                await asyncio.sleep(0.02)
-                continue
-            writer.close()
-            return
+        await accepting(port)
 
 
 async def _until_terminated(run: Any) -> Report:
