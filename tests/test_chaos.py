@@ -26,24 +26,40 @@ BROKEN_PROXY = (sys.executable, str(Path(__file__).with_name("broken_fence.py"))
 SHORT = ChaosOptions(duration=20, workers=5, jobs=2, seed=7, faults=frozenset(FAULTS))
 
 
+def _missing_evidence(c: dict[str, int]) -> list[str]:
+    """What a run did not show: the faults happening, the proxy refusing and forwarding."""
+    wanted = {
+        "a proxy crash": c["crashes"] >= 1,
+        "a SIGSTOP pause": c["sigstops"] >= 1,
+        "a stall": c["stalls"] >= 1,
+        "over 20 writes forwarded": c["forwarded"] > 20,
+        "over 5 jobs completed": c["completed"] > 5,
+        "a duplicate suppressed": c["duplicates"] >= 1,
+        "a stale write refused": c["stale"] >= 1,
+        # Each stall costs its lease, and so does a pause of a holder that is not
+        # stalled (a pause lasts 1.5 to 3 leases).
+        "a lease lost per stall and paused holder": (
+            c["leases lost"] >= c["stalls"] + min(c["holders paused"], 1)
+        ),
+    }
+    return [what for what, seen in wanted.items() if not seen]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 async def test_short_run_with_every_fault_has_no_violation() -> None:
+    """No run may show a violation. Whether a fault lands where it shows (a pause on a
+    holder, a takeover racing a stalled write) is timing's: a run that shows too little
+    is followed by the next seed's, up to three."""
     out = io.StringIO()
-    report = await run_chaos(SHORT, out)
-    assert report.violations == [], out.getvalue()
-    c = report.counts
-    # The faults really happened, and the proxy really refused and forwarded.
-    assert c["crashes"] >= 1, out.getvalue()
-    assert c["sigstops"] >= 1, out.getvalue()
-    assert c["stalls"] >= 1, out.getvalue()
-    assert c["forwarded"] > 20, out.getvalue()
-    assert c["completed"] > 5, out.getvalue()
-    assert c["duplicates"] >= 1, out.getvalue()
-    assert c["stale"] >= 1, out.getvalue()  # stale writes did reach the proxy
-    # Each stall costs its lease, and so does a pause of a holder (a pause lasts 1.5 to 3
-    # leases). With no holder at the moment, a pause may fall on a worker between jobs.
-    assert c["leases lost"] >= c["stalls"] + min(c["holders paused"], 1), out.getvalue()
+    for seed in (SHORT.seed, SHORT.seed + 1, SHORT.seed + 2):
+        report = await run_chaos(ChaosOptions(**{**SHORT.__dict__, "seed": seed}), out)
+        assert report.violations == [], out.getvalue()
+        missing = _missing_evidence(report.counts)
+        if not missing:
+            return
+        out.write(f"not shown: {', '.join(missing)}\n")
+    pytest.fail(f"three runs did not show every fault at work:\n{out.getvalue()}")
 
 
 @pytest.mark.slow

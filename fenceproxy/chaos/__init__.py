@@ -219,13 +219,19 @@ async def _inject(run: _Run, proxies: list[ProxyProcess]) -> None:
             kind = rng.choices(kinds, weights=[2 if k == "sigstop" else 1 for k in kinds])[0]
         missing.discard(kind)
         if kind == "sigstop":
-            # Pause a worker that holds a lease, so the pause outlives it.
+            # Pause a worker that holds a lease, so the pause outlives it; not one that
+            # is stalled already, whose lease that stall costs.
             live = [
                 (n, w)
                 for n, w in enumerate(run.workers)
                 if w.returncode is None and n not in stopped
             ]
-            holders = [(n, w) for n, w in live if (run.dir / f"w{n}.holding").exists()]
+            holders = [
+                (n, w)
+                for n, w in live
+                if (run.dir / f"w{n}.holding").exists()
+                and not (run.dir / f"w{n}.stalling").exists()
+            ]
             if holders or live:
                 n, worker = rng.choice(holders or live)
                 worker.send_signal(signal.SIGSTOP)

@@ -21,7 +21,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -80,19 +80,23 @@ class _Worker:
         self, http: aiohttp.ClientSession, leases: LeaseClient, slot: int, job: str
     ) -> None:
         a = self.args
-        async with leases.hold(job, owner=a.id, ttl=a.ttl) as lease, _holding(a.history):
-            self.record(ev="claim", job=job, ok=True, owner=a.id, generation=lease.generation)
-            for _ in range(self.rng.randint(1, 4)):
-                await asyncio.sleep(self.rng.uniform(0, 0.2 * a.ttl))  # the work itself
-                headers = lease.headers()
-                if self.rng.random() < a.stall:
-                    pause = a.ttl * self.rng.uniform(1.5, 3.0)
-                    self.record(ev="stall", job=job, seconds=pause)
-                    time.sleep(pause)  # noqa: ASYNC251 -- on purpose: a stall of the whole loop
-                await self._write(http, job, headers)
-            await lease.complete()
-            self.record(ev="complete", job=job, ok=True, owner=a.id, generation=lease.generation)
-            self._rounds[slot] += 1
+        async with leases.hold(job, owner=a.id, ttl=a.ttl) as lease:
+            with _marker(a.history, ".holding"):
+                self.record(ev="claim", job=job, ok=True, owner=a.id, generation=lease.generation)
+                for _ in range(self.rng.randint(1, 4)):
+                    await asyncio.sleep(self.rng.uniform(0, 0.2 * a.ttl))  # the work itself
+                    headers = lease.headers()
+                    if self.rng.random() < a.stall:
+                        pause = a.ttl * self.rng.uniform(1.5, 3.0)
+                        self.record(ev="stall", job=job, seconds=pause)
+                        with _marker(a.history, ".stalling"):
+                            time.sleep(pause)  # noqa: ASYNC251 -- on purpose: the loop stalls
+                    await self._write(http, job, headers)
+                await lease.complete()
+                self.record(
+                    ev="complete", job=job, ok=True, owner=a.id, generation=lease.generation
+                )
+                self._rounds[slot] += 1
 
     async def _write(self, http: aiohttp.ClientSession, job: str, headers: dict[str, str]) -> None:
         """Send one write (and maybe its duplicate). The sends run in their own tasks,
@@ -156,11 +160,12 @@ class _Worker:
         )
 
 
-@contextlib.asynccontextmanager
-async def _holding(history: str) -> AsyncIterator[None]:
-    """A marker file beside the history while a lease is held: the runner pauses
-    workers that hold one, so a pause outlives a lease."""
-    marker = Path(history).with_suffix(".holding")
+@contextlib.contextmanager
+def _marker(history: str, suffix: str) -> Iterator[None]:
+    """A marker file beside the history while a lease is held (``.holding``) or the
+    worker stalls (``.stalling``): the runner pauses holders that are not stalled,
+    so each pause outlives a lease of its own."""
+    marker = Path(history).with_suffix(suffix)
     marker.touch()
     try:
         yield
