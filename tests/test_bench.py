@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from .nginx import NGINX
+from .postgres import postgres_bin
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,3 +39,34 @@ def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
         assert figure["cpu_us"] > 0, name
         assert run["peak_rss_mib"] > 0, name
     assert "fenced req/s >= 0.5x direct" in result.stdout  # the targets are judged
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk missing")
+def test_postgres_rows_count_the_database_apart_and_pgbench_runs_beside(tmp_path: Path) -> None:
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL is not installed")
+    figures = tmp_path / "bench.json"
+    setups = ["fenced", "pg fenced", "pgbench"]
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",
+            "--only", ",".join(setups), "--json", str(figures),
+        ],
+        capture_output=True, text=True, timeout=170, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {name: run["runs"][0] for name, run in json.loads(figures.read_text()).items()}
+    assert list(runs) == setups
+    for name, figure in runs.items():
+        assert figure["requests"] > 100, name
+        assert figure["failed"] == 0, name
+    # SQLite lives in the proxy; PostgreSQL's CPU is its own column, and the total.
+    assert runs["fenced"]["database_cpu_us"] == 0
+    pg = runs["pg fenced"]
+    assert pg["proxy_cpu_us"] > 0
+    assert pg["database_cpu_us"] > 0
+    assert pg["cpu_us"] == pytest.approx(pg["proxy_cpu_us"] + pg["database_cpu_us"])
+    assert runs["pgbench"]["proxy_cpu_us"] == 0
+    assert runs["pgbench"]["database_cpu_us"] > 0
+    assert "pg fenced req/s >= 0.5x pgbench's" in result.stdout
