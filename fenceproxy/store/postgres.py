@@ -15,9 +15,10 @@ cleared or held) that arrive together go to the database as one batch
    in-flight record with an ``INSERT ... ON CONFLICT DO UPDATE`` that succeeds only
    when the record is absent, expired or already this write's. Two proxies admitting
    one job meet on that row: the second waits for the first's commit, then finds the
-   record live and gets :class:`~fenceproxy.fence.fencing.Busy`. Then one statement
-   reads each take's fence, key and lease, with a snapshot taken after every record
-   was won: no admission of those jobs can commit in between;
+   record live and gets :class:`~fenceproxy.fence.fencing.Busy`. Then a statement of
+   its own reads the take's fence, key and lease, each by its primary key, with a
+   snapshot taken after the record was won: no admission or lease change of the job
+   can commit in between;
 2. each take is decided on its own, in Python (:func:`~fenceproxy.leases.model.decide_write`);
 3. one statement writes what the admitted ones need (the fence only ever rises,
    ``GREATEST``; the key goes in flight) and puts back the records that refused
@@ -70,7 +71,8 @@ if TYPE_CHECKING:  # subscriptable in the type stubs only
 # batches (of one proxy or of two) never wait for each other in a circle. A take
 # holds the job's advisory lock (shared) until the commit, and its in-flight record
 # if it was free; the reads that follow are a statement of their own, so they see
-# every commit made before the records were won.
+# every commit made before the record was won. They look each row up by its key: one
+# join over every take of the batch was planned as scans of whole tables.
 _BATCH_FUNCTION = """
 CREATE FUNCTION fenceproxy_batch(
     kinds text[], jobs text[], turns text[], seconds double precision[], keys text[],
@@ -89,33 +91,44 @@ DECLARE
     n integer;
     t double precision;
     changed integer;
-    taken integer[] := '{}';
-    got boolean[] := '{}';
-    prior_holders text[] := '{}';
-    prior_states text[] := '{}';
-    prior_expires double precision[] := '{}';
     prior inflight%ROWTYPE;
 BEGIN
     FOR n IN 1 .. coalesce(array_length(kinds, 1), 0) LOOP
-        t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
         IF kinds[n] = 'take' THEN
             PERFORM pg_advisory_xact_lock_shared(hashtextextended(jobs[n], 0));
             -- What the record was, to put back if the write is refused.
             prior := NULL;
             SELECT * INTO prior FROM inflight i WHERE i.job = jobs[n] FOR UPDATE;
+            t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
             INSERT INTO inflight AS i (job, holder, state, expires_at)
             VALUES (jobs[n], turns[n], 'in_flight', t + seconds[n])
             ON CONFLICT (job) DO UPDATE
                 SET holder = excluded.holder, state = 'in_flight', expires_at = excluded.expires_at
                 WHERE i.expires_at <= t OR i.holder = excluded.holder;
             GET DIAGNOSTICS changed = ROW_COUNT;
-            taken := taken || n;
-            got := got || (changed > 0);
-            prior_holders := prior_holders || prior.holder;
-            prior_states := prior_states || prior.state;
-            prior_expires := prior_expires || prior.expires_at;
+            -- What the write is decided on, each row found by its key, in a statement
+            -- of its own: it sees every commit made before the record was won, and no
+            -- admission or lease change of the job can commit until this batch does.
+            t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+            RETURN QUERY
+            SELECT n, t, NULL::boolean, changed > 0, prior.holder, prior.state,
+                   prior.expires_at, i.state, i.expires_at,
+                   (SELECT f.generation FROM fences f WHERE f.job = jobs[n]),
+                   k.state, k.fingerprint, k.status, k.headers, k.body,
+                   EXISTS (SELECT 1 FROM inflight h WHERE h.job = k.job AND h.holder = k.holder
+                           AND h.expires_at > t),
+                   k.scope, l.job, l.owner, l.generation, l.lease_until, l.ttl, l.state
+            FROM (SELECT) AS one
+            LEFT JOIN inflight i ON i.job = jobs[n]
+            LEFT JOIN idempotency_keys k ON k.job = jobs[n] AND k.key = keys[n]
+                AND (k.expires_at > t
+                     OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight h
+                         WHERE h.job = k.job AND h.holder = k.holder AND h.expires_at > t)))
+            LEFT JOIN leases l ON l.job = jobs[n] AND check_leases[n];
             CONTINUE;
-        ELSIF kinds[n] = 'end' THEN
+        END IF;
+        t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+        IF kinds[n] = 'end' THEN
             DELETE FROM inflight WHERE job = jobs[n] AND holder = turns[n];
         ELSIF kinds[n] = 'hold' THEN
             UPDATE inflight SET state = 'unknown', expires_at = GREATEST(expires_at, t + seconds[n])
@@ -140,26 +153,6 @@ BEGIN
         r_changed := changed > 0;
         RETURN NEXT;
     END LOOP;
-    IF cardinality(taken) = 0 THEN
-        RETURN;
-    END IF;
-    t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
-    RETURN QUERY
-    SELECT u.n, t, NULL::boolean, u.got, u.holder, u.state, u.expires_at,
-           i.state, i.expires_at, f.generation,
-           k.state, k.fingerprint, k.status, k.headers, k.body,
-           EXISTS (SELECT 1 FROM inflight h WHERE h.job = k.job AND h.holder = k.holder
-                   AND h.expires_at > t),
-           k.scope, l.job, l.owner, l.generation, l.lease_until, l.ttl, l.state
-    FROM unnest(taken, got, prior_holders, prior_states, prior_expires)
-        AS u(n, got, holder, state, expires_at)
-    LEFT JOIN inflight i ON i.job = jobs[u.n]
-    LEFT JOIN fences f ON f.job = jobs[u.n]
-    LEFT JOIN idempotency_keys k ON k.job = jobs[u.n] AND k.key = keys[u.n]
-        AND (k.expires_at > t
-             OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight h
-                 WHERE h.job = k.job AND h.holder = k.holder AND h.expires_at > t)))
-    LEFT JOIN leases l ON l.job = jobs[u.n] AND check_leases[u.n];
 END
 $$;
 """
@@ -311,6 +304,14 @@ SELECT 1
 """
 
 
+async def _kept(conn: asyncpg.Connection) -> None:
+    """What a connection given back to the pool needs reset: nothing. The store sets
+    no session state: every lock it takes is its transaction's, it listens to
+    nothing and opens no cursor, and an open transaction is rolled back by the pool
+    first. asyncpg's default reset (``RESET ALL``, ``UNLISTEN *``, ``CLOSE ALL``,
+    the advisory locks unlocked) would cost a round trip per use."""
+
+
 async def _one(conn: _Conn, statement: str, *args: Any) -> asyncpg.Record:
     """The one row a statement that always returns one returns."""
     row = await conn.fetchrow(statement, *args)
@@ -369,6 +370,7 @@ class PostgresStore(Store):
                 max_size=pool_size,
                 timeout=connect_timeout,
                 command_timeout=connect_timeout * 2,
+                reset=_kept,
             )
         except ERRORS as exc:
             raise failed(f"cannot connect to the PostgreSQL store {where}", exc) from exc
