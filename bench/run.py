@@ -576,7 +576,8 @@ def targets(rows: dict[str, Setup]) -> list[str]:
             print(f"       {text}: {value:.2f}")
             continue
         ok = value >= bound if op == ">=" else value <= bound
-        print(f"{'PASS' if ok else 'MISS'}   {text}: {value:.2f}")
+        shown = f"{value:.2f}" if ok or round(value, 2) != bound else f"{value:.3f}"
+        print(f"{'PASS' if ok else 'MISS'}   {text}: {shown}")
         if not ok:
             missed.append(text)
     return missed

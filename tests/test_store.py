@@ -109,6 +109,52 @@ async def test_a_fault_inside_a_transaction_undoes_it_and_tells_its_callers(
             await sql(store_url, "DROP TRIGGER boom ON idempotency_keys", "DROP FUNCTION boom")
 
 
+async def test_in_one_batch_each_write_is_decided_on_its_own(
+    store: Store, clock: FakeClock
+) -> None:
+    """A stale write, a busy one, a replayed key and a new write go in one batch with a
+    settlement: each gets its own answer, and what the refused ones took is given back
+    as it was, while the admitted one's record and fence stay."""
+    fenced, done = FencedWrite("r", "s", 5), keyed("d", 3, "k")
+    for first in (fenced, done):
+        assert isinstance(await admit(store, first), Admit)
+    await store.complete_key(done, StoredResponse(201, {}, b"created"))
+    for first in (fenced, done):
+        await store.end_turn(first)
+    held = FencedWrite("r", "h", 1, hold=30)
+    assert isinstance(await admit(store, held), Admit)
+    ending = FencedWrite("r", "e", 1, hold=30)
+    assert isinstance(await admit(store, ending), Admit)
+
+    stale, busy, replay = FencedWrite("r", "s", 4), FencedWrite("r", "h", 2), keyed("d", 3, "k")
+    new = keyed("n", 1, "k")
+    commits: list[int] = []
+    store.on_commit = lambda seconds, operations: commits.append(operations)
+    outcomes = await asyncio.gather(
+        admit(store, stale), admit(store, busy), admit(store, replay), admit(store, new),
+        store.end_turn(ending),
+    )  # fmt: skip
+    assert commits == [5]  # one batch
+    assert isinstance(outcomes[0], StaleGeneration)
+    assert isinstance(outcomes[1], Busy)
+    assert isinstance(outcomes[2], Replay)
+    assert outcomes[2].response.body == b"created"
+    assert outcomes[3] == Admit(raise_to=1)
+    views = {job: await store.inspect(job) for job in "shdne"}
+    # The refused writes left nothing: no record on "s" or "d", "h" still held by its own.
+    assert views["s"].in_flight is None
+    assert views["s"].generation == 5
+    assert views["d"].in_flight is None
+    assert views["h"].in_flight is not None
+    assert views["h"].in_flight[0] == held.turn
+    assert views["e"].in_flight is None  # the settlement landed beside them
+    # The admitted one holds its record, its fence and its key in flight.
+    assert views["n"].in_flight is not None
+    assert views["n"].in_flight[0] == new.turn
+    assert views["n"].generation == 1
+    assert [k.state for k in views["n"].keys] == ["in_flight"]
+
+
 async def test_a_closed_store_refuses_work_at_once(store: Store) -> None:
     await store.close()
     async with asyncio.timeout(5):
