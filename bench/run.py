@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -46,10 +47,11 @@ from tests.nginx import NGINX, temp_paths  # noqa: E402
 from tests.postgres import PostgresServer, postgres_bin, sql  # noqa: E402
 
 PG_BIN = postgres_bin()
-PGBENCH = next(
-    (str(b / "pgbench") for b in [PG_BIN] if b is not None and (b / "pgbench").exists()),
-    shutil.which("pgbench") or "pgbench",
-)
+# Beside initdb when it is there; Debian's wrapper on PATH otherwise.
+if PG_BIN is not None and (PG_BIN / "pgbench").exists():
+    PGBENCH = str(PG_BIN / "pgbench")
+else:
+    PGBENCH = shutil.which("pgbench") or "pgbench"
 
 TICK = os.sysconf("SC_CLK_TCK")
 TWO_CORES = (os.cpu_count() or 1) >= 2
@@ -229,6 +231,12 @@ def prefill_sqlite(path: Path, jobs: int) -> None:
             "INSERT INTO fences (job, generation, updated_at) VALUES (?, 1, ?)",
             ((f"job-{n}", time.time()) for n in range(jobs)),
         )
+
+
+def prefill_postgres(url: str, jobs: int) -> None:
+    """Give ``jobs`` jobs a fence at generation 1, as a long-running store has."""
+    fill = f"INSERT INTO fences SELECT 'job-' || n, 1, 0 FROM generate_series(0, {jobs - 1}) AS n"
+    asyncio.run(sql(url, fill, "ANALYZE fences"))
 
 
 # ---- one measured run ------------------------------------------------------------
@@ -443,24 +451,11 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
                 asyncio.run(sql(postgres.url(), f"CREATE DATABASE {database}"))
                 store = postgres.url(database) + "?pool=10"
                 migrate(database, store)
-                if load.jobs >= MILLION:  # as a long-running store has
-                    asyncio.run(
-                        sql(
-                            postgres.url(database),
-                            "INSERT INTO fences SELECT 'job-' || n, 1, 0"
-                            f" FROM generate_series(0, {load.jobs - 1}) AS n; ANALYZE fences",
-                        )
-                    )
+                if load.jobs >= MILLION:
+                    prefill_postgres(postgres.url(database), load.jobs)
                 if name == "pgbench":
-                    url = postgres.url(database)
-                    result.append(
-                        Setup(
-                            name, [], list, list, load, postmaster,
-                            drive=lambda seconds, connections, url=url: pgbench(
-                                url, seconds, connections
-                            ),
-                        )
-                    )  # fmt: skip
+                    drive = functools.partial(pgbench, postgres.url(database))
+                    result.append(Setup(name, [], list, list, load, postmaster, drive=drive))
                     continue
                 pids, urls = proxies(database, store, count)
                 result.append(
