@@ -646,37 +646,73 @@ def test_the_example_configs_are_valid() -> None:
         assert load_config(example).routes
 
 
+# What the driver is given besides the URL's own options: connections to a primary
+# only, named in pg_stat_activity.
+DRIVER = "application_name=fenceproxy&target_session_attrs=read-write"
+
+
 @pytest.mark.parametrize(
-    ("value", "dsn", "pool", "password_env"),
+    ("value", "dsn", "pool", "password_env", "where"),
     [
-        ("postgresql://fp@db:5432/fences", "postgresql://fp@db:5432/fences", 10, None),
-        ("postgres://fp@db/fences?pool=3", "postgresql://fp@db/fences", 3, None),
+        (
+            "postgresql://fp@db:5432/fences",
+            f"postgresql://fp@db:5432/fences?{DRIVER}",
+            10,
+            None,
+            "db:5432/fences",
+        ),
+        ("postgres://fp@db/fences?pool=3", f"postgresql://fp@db/fences?{DRIVER}", 3, None, "db/"),
         (
             "postgresql://fp@db/f?password_env=FP_PW&sslmode=require",
-            "postgresql://fp@db/f?sslmode=require",
+            f"postgresql://fp@db/f?sslmode=require&{DRIVER}",
             10,
             "FP_PW",
+            "db/f",
+        ),
+        (  # a Patroni cluster: the driver tries the hosts in turn for the primary
+            "postgresql://fp@db1:5432,db2:5433,[fd00::3]/f?target_session_attrs=primary",
+            "postgresql://fp@db1:5432,db2:5433,[fd00::3]/f"
+            "?target_session_attrs=primary&application_name=fenceproxy",
+            10,
+            None,
+            "db1:5432,db2:5433,[fd00::3]/f",
         ),
     ],
 )
-def test_postgres_store_urls(value: str, dsn: str, pool: int, password_env: str | None) -> None:
+def test_postgres_store_urls(
+    value: str, dsn: str, pool: int, password_env: str | None, where: str
+) -> None:
     url = parse_store_url(value)
-    assert (url.backend, url.dsn, url.pool, url.password_env) == (
+    assert (url.backend, url.dsn, url.pool, url.password_env, url.require_sync) == (
         "postgresql",
         dsn,
         pool,
         password_env,
+        False,
     )
-    assert "PostgreSQL database db" in url.describe()
+    assert f"PostgreSQL database {where}" in url.describe()
+
+
+def test_require_sync_is_the_stores_own_option() -> None:
+    url = parse_store_url("postgresql://fp@db1,db2/f?require_sync=true")
+    assert url.require_sync
+    assert "require_sync" not in url.dsn
 
 
 @pytest.mark.parametrize(
     ("value", "phrase"),
     [
         ("postgresql://fp:secret@db/f", "must not be written into the config"),
+        ("postgresql://fp:secret@db1,db2/f", "must not be written into the config"),
         ("postgresql://fp@db/f?pool=0", "?pool= takes a number"),
         ("postgresql://fp@db/f?password_env=1-x", "?password_env= takes the name"),
         ("postgresql://fp@db", "expected sqlite:///PATH"),
+        ("postgresql://fp@db1:5432,db2:port/f", "'db2:port' is not a host"),
+        ("postgresql://fp@db1,/f", "'' is not a host"),
+        ("postgresql://fp@db1:70000/f", "'db1:70000' is not a host"),
+        ("postgresql://fp@db1,db2/f?target_session_attrs=any", "must be read-write or primary"),
+        ("postgresql://fp@db/f?target_session_attrs=standby", "must be read-write or primary"),
+        ("postgresql://fp@db/f?require_sync=yes", "?require_sync= takes true or false"),
     ],
 )
 def test_bad_postgres_store_urls_are_config_errors(tmp_path: Path, value: str, phrase: str) -> None:

@@ -2,8 +2,10 @@
 the proxy's port: what operators and their tools ask of a running proxy.
 
     GET /healthz   200 while the process serves (a liveness probe)
-    GET /readyz    200 when the store answers and its schema is current; 503 with the
-                   reason otherwise (a readiness probe, a load balancer's check)
+    GET /readyz    200 when the store answers and its schema is current (and, with
+                   ?require_sync=true, the primary has a synchronous standby), with
+                   the primary it reached; 503 with the reason otherwise (a readiness
+                   probe, a load balancer's check)
     GET /          the operator page (:mod:`fenceproxy.ops.page`)
     GET /metrics   the Prometheus text format (prometheus-client)
     GET /jobs/{job}            what the store holds of one job: its highest generation
@@ -66,7 +68,17 @@ def admin_app(
         except StoreError as exc:
             server_log.warning("not ready: %s", exc)
             return problem_response(StoreNotReady(str(exc), retry_after=1.0))
-        return web.json_response({"status": "ready"})
+        server = store().server
+        if server.address is None:
+            return web.json_response({"status": "ready"})
+        return web.json_response(
+            {
+                "status": "ready",
+                "primary": server.address,
+                "connections": server.connections,
+                "failovers": server.changes,
+            }
+        )
 
     async def metrics_page(request: web.Request) -> web.Response:
         response = web.Response(body=metrics.render())

@@ -4,11 +4,13 @@ API record into it; the admin listener serves it at ``/metrics``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .._version import __version__
+from ..store.base import StoreServer
 from .recent import Recent
 
 __all__ = ["Metrics"]
@@ -74,6 +76,8 @@ class Metrics:
         Info("fenceproxy_build", "The running fenceproxy", registry=r).info(
             {"version": __version__}
         )
+        self.store = _StoreMetrics()
+        r.register(self.store)
 
     def decided(self, route: str, outcome: str) -> None:
         self._decisions.labels(route, outcome).inc()
@@ -96,3 +100,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreMetrics:
+    """The database server the store reaches, read from the store when scraped."""
+
+    def __init__(self) -> None:
+        self.server: StoreServer | None = None
+        """The open store's :attr:`~fenceproxy.store.base.Store.server`."""
+
+    def describe(self) -> list[Metric]:
+        return []  # collected only when scraped, once the store is open
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.server
+        if server is None or server.address is None:
+            return  # an embedded store reaches no server
+        yield CounterMetricFamily(
+            "fenceproxy_store_connections",
+            "Connections opened to the database: reconnects after a restart or failover add",
+            value=server.connections,
+        )
+        yield CounterMetricFamily(
+            "fenceproxy_store_failovers",
+            "Times a new connection reached another server than the last: a new primary",
+            value=server.changes,
+        )
+        primary = GaugeMetricFamily(
+            "fenceproxy_store_primary",
+            "The server (host:port) the store's decisions go to, as last connected: 1",
+            labels=["server"],
+        )
+        primary.add_metric([server.address], 1)
+        yield primary

@@ -66,7 +66,7 @@ def add_page(
         html = _PAGE.format(
             version=escape(__version__),
             listen=escape(config().listen),
-            store=escape(parse_store_url(config().store).describe()),
+            store=escape(_store_shown(config().store, store())),
             last=recent.last,
             job_attr=escape(job or "", quote=True),
             refusals=_refusal_rows(recent),
@@ -201,6 +201,13 @@ def _refusal_rows(recent: Recent) -> str:
         f"<tr><td>{escape(kind)}</td>{''.join(f'<td>{n}</td>' for n in counts)}</tr>"
         for kind, counts in rows.items()
     )
+
+
+def _store_shown(url: str, store: Store) -> str:
+    """The store as configured and, for a database, the server it reached last."""
+    where = parse_store_url(url).describe()
+    primary = store.server.address
+    return where if primary is None else f"{where}, primary {primary}"
 
 
 def _route_rows(config: Config) -> str:

@@ -215,6 +215,7 @@ class FenceProxy:
             parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=self._clock
         )
         self._store.on_commit = self.metrics.committed
+        self.metrics.store.server = self._store.server
         self._bind(self._store)
         return self
 

@@ -35,6 +35,8 @@ from ..errors import (
     LeaseRequestMalformed,
     NoRoute,
     Refusal,
+    StoreError,
+    StoreUnavailable,
 )
 from ..fence.fencing import GENERATION_MAX, parse_job
 from ..fence.tokens import SigningKeys
@@ -131,7 +133,19 @@ class LeaseService:
 
     async def handle(self, request: web.BaseRequest, path: str) -> web.Response:
         """Answer a request whose raw ``path`` is under the prefix; everything under
-        it is the lease API's, never an upstream's."""
+        it is the lease API's, never an upstream's. A store that cannot answer (a
+        database restarting or failing over) is a 503 to try again: a lease is never
+        decided without it."""
+        try:
+            return await self._answer_call(request, path)
+        except StoreError as exc:
+            lease_log.error("store failed, refusing the lease call: %s", exc)
+            raise StoreUnavailable(
+                "the lease store could not be reached: try again (a GET of the job shows "
+                "the lease as the store holds it, should an answer have been lost)"
+            ) from exc
+
+    async def _answer_call(self, request: web.BaseRequest, path: str) -> web.Response:
         if path == self._openapi_path and request.method in ("GET", "HEAD"):
             return web.Response(body=self._openapi, content_type="application/json")
         caller = None

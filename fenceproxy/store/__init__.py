@@ -41,6 +41,7 @@ async def open_store(
             password=_password(parsed),
             key_ttl=key_ttl,
             clock=(lambda: None) if clock is time.time else clock,
+            require_sync=parsed.require_sync,
         )
     return await SQLiteStore.open(
         parsed.path,

@@ -41,6 +41,7 @@ __all__ = [
     "KeyView",
     "LeaseChange",
     "Store",
+    "StoreServer",
     "key_not_held",
     "to_completion",
 ]
@@ -73,6 +74,8 @@ class Store(abc.ABC):
     def __init__(self) -> None:
         self.on_commit: Callable[[float, int], object] = lambda seconds, operations: None
         """Told of each commit: how long it took and how many operations it held."""
+        self.server = StoreServer()
+        """The database server the store's decisions go to, as last connected."""
 
     async def admit(self, write: FencedWrite) -> Decision:
         """Decide ``write``. Admitted, it takes the job's in-flight record for
@@ -257,6 +260,26 @@ class KeyView:
     status: int | None
     created_at: float
     expires_at: float
+
+
+@dataclass(slots=True)
+class StoreServer:
+    """Which server a store reaches, for ``/readyz``, ``/metrics`` and the operator
+    page. An embedded store has none: ``address`` stays None."""
+
+    address: str | None = None
+    """``host:port`` of the server the last connection reached: the primary."""
+    connections: int = 0
+    """Connections opened to the database since the store opened."""
+    changes: int = 0
+    """Times a new connection reached another server than the one before: each
+    failover this proxy saw (a restart of the same primary is not one)."""
+
+    def connected(self, address: str) -> None:
+        self.connections += 1
+        if self.address is not None and address != self.address:
+            self.changes += 1
+        self.address = address
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,9 +38,10 @@ and where :meth:`~PostgresStore.open` and :meth:`~PostgresStore.migrate` connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -53,7 +54,7 @@ from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from . import rows
 from .asyncpg_errors import ERRORS, failed
-from .base import Decision, JobView, Store, key_not_held, to_completion
+from .base import Decision, JobView, Store, StoreServer, key_not_held, to_completion
 from .batch import Batches
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
@@ -336,8 +337,12 @@ class PostgresStore(Store):
         purge_interval: float,
         where: str,
         acquire_timeout: float = 5.0,
+        server: StoreServer | None = None,
+        require_sync: bool = False,
     ) -> None:
         super().__init__()
+        self.server = server or self.server
+        self._require_sync = require_sync
         self._pool = pool
         self._key_ttl = key_ttl
         self._clock = clock
@@ -358,10 +363,18 @@ class PostgresStore(Store):
         clock: Callable[[], float | None] = lambda: None,
         purge_interval: float = 60.0,
         connect_timeout: float = 5.0,
+        require_sync: bool = False,
     ) -> PostgresStore:
-        """Connect a pool of up to ``pool_size`` connections. Raises StoreError when the
-        database cannot be reached or is not migrated to this fenceproxy's schema."""
+        """Connect a pool of up to ``pool_size`` connections, each to a primary (the
+        URL's ``target_session_attrs``). Raises StoreError when the database cannot
+        be reached or is not migrated to this fenceproxy's schema. ``require_sync``:
+        :meth:`check` also requires a synchronous standby."""
         where = _where(dsn)
+        server = StoreServer()
+
+        async def connected(conn: asyncpg.Connection) -> None:
+            server.connected(_address(await conn.fetchrow(_SERVER)))
+
         try:
             pool = await asyncpg.create_pool(
                 dsn,
@@ -370,6 +383,7 @@ class PostgresStore(Store):
                 max_size=pool_size,
                 timeout=connect_timeout,
                 command_timeout=connect_timeout * 2,
+                init=connected,
                 reset=_kept,
             )
         except ERRORS as exc:
@@ -392,6 +406,8 @@ class PostgresStore(Store):
             purge_interval=purge_interval,
             where=where,
             acquire_timeout=connect_timeout,
+            server=server,
+            require_sync=require_sync,
         )
 
     @classmethod
@@ -503,7 +519,14 @@ class PostgresStore(Store):
         return await self._run(tx, transaction=False)
 
     async def check(self) -> None:
-        self._check_version(self._where, await self._run(_schema_version, transaction=False))
+        async def read(conn: _Conn) -> tuple[int, asyncpg.Record | None]:
+            sync = await conn.fetchrow(_SYNC) if self._require_sync else None
+            return await _schema_version(conn), sync
+
+        version, sync = await self._run(read, transaction=False)
+        self._check_version(self._where, version)
+        if sync is not None and (unsafe := _unsafe(sync)) is not None:
+            raise StoreError(f"the PostgreSQL store {self._where} is not safe: {unsafe}")
 
     async def purge_expired(self) -> int:
         async def tx(conn: _Conn) -> int:
@@ -549,7 +572,7 @@ class PostgresStore(Store):
         if self._closing:
             raise StoreError("the store is closed")
         try:
-            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+            async with self._connection() as conn:
                 if not transaction:
                     return await work(conn)
                 started = time.monotonic()
@@ -560,6 +583,29 @@ class PostgresStore(Store):
         except ERRORS as exc:
             store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
             raise failed(f"PostgreSQL store failed: {type(exc).__name__}", exc) from exc
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[_Conn]:
+        """A pooled connection to a primary. One whose server no longer takes writes
+        (a standby, or read-only: as the server last reported, without a round trip)
+        is closed and never used; so is one whose statement was refused as read-only.
+        The pool opens the next one where the URL's ``target_session_attrs`` says,
+        on whichever host is primary then."""
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+            settings = conn.get_settings()
+            if "on" in (
+                getattr(settings, "in_hot_standby", "off"),
+                getattr(settings, "default_transaction_read_only", "off"),
+            ):
+                conn.terminate()
+                raise asyncpg.exceptions.TargetServerAttributeNotMatched(
+                    f"{self.server.address} no longer takes writes (a standby, or read-only)"
+                )
+            try:
+                yield conn
+            except asyncpg.exceptions.ReadOnlySQLTransactionError:
+                conn.terminate()
+                raise
 
     # -- batches ---------------------------------------------------------------
 
@@ -579,7 +625,7 @@ class PostgresStore(Store):
         recorded_at = time.monotonic()  # every record of the batch is dated after this
         started = time.monotonic()
         try:
-            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+            async with self._connection() as conn:
                 if all(op.kind != "take" for op in batch):
                     found = await conn.fetch(_BATCH, *self._arguments(batch))
                     outcomes = self._settled(batch, found)
@@ -720,11 +766,59 @@ async def _schema_version(conn: _Conn | asyncpg.Connection) -> int:
 
 
 def _where(dsn: str) -> str:
-    """Host, port and database of a DSN, for messages: never the password."""
+    """Hosts, ports and database of a DSN, for messages: never the password."""
     parts = urlsplit(dsn)
-    host = parts.hostname or "localhost"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{host}{port}{parts.path or '/'}"
+    return f"{parts.netloc.rpartition('@')[2] or 'localhost'}{parts.path or '/'}"
+
+
+# Where a new connection landed: the server's address and port as this connection
+# reached it (no address over a Unix socket).
+_SERVER = "SELECT host(inet_server_addr()), inet_server_port(), current_setting('port')"
+
+
+def _address(row: asyncpg.Record | None) -> str:
+    assert row is not None
+    host, port, setting = row
+    if host is None:
+        return f"local socket, port {setting}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# What makes a commit wait for a standby. pg_stat_replication shows each standby's
+# state only to roles with pg_read_all_stats (pg_monitor has it).
+_SYNC = """
+SELECT current_setting('synchronous_standby_names'), current_setting('synchronous_commit'),
+       coalesce(array_agg(application_name) FILTER (WHERE sync_state IN ('sync', 'quorum')),
+                '{}'),
+       count(*) FILTER (WHERE sync_state IS NULL)
+FROM pg_stat_replication
+"""
+
+
+def _unsafe(sync: asyncpg.Record) -> str | None:
+    """Why a commit acknowledged by this primary might exist nowhere else (a
+    failover could then lose it); None when every commit waits for a synchronous
+    standby's flush."""
+    names, commit, standbys, hidden = sync
+    if not names:
+        return (
+            "it has no synchronous standby (synchronous_standby_names is empty): a failover "
+            "could promote a standby without the last fences; in Patroni set "
+            "synchronous_mode: true"
+        )
+    if commit not in ("on", "remote_apply"):
+        return (
+            f"synchronous_commit is {commit}: a commit does not wait for the standby's "
+            "flush; set it to on"
+        )
+    if not standbys:
+        if hidden:
+            return (
+                "the store's role cannot see the standbys' state in pg_stat_replication: "
+                "grant it pg_monitor"
+            )
+        return "no standby is synchronous now (pg_stat_replication)"
+    return None
 
 
 def _count(status: str) -> int:

@@ -26,14 +26,16 @@ class StoreURL:
     pool: int = 10
     password_env: str | None = None
     """PostgreSQL: the environment variable that holds the password."""
+    hosts: tuple[str, ...] = ()
+    """PostgreSQL: each ``host`` or ``host:port`` the URL names, in its order."""
+    require_sync: bool = False
+    """PostgreSQL: ready only while the primary has a synchronous standby."""
 
     def describe(self) -> str:
         """Where the store is, for a log line: never a password."""
         if self.backend == "sqlite":
             return f"SQLite file {self.path}"
-        parts = urlsplit(self.dsn)
-        port = f":{parts.port}" if parts.port else ""
-        return f"PostgreSQL database {parts.hostname or 'localhost'}{port}{parts.path or '/'}"
+        return f"PostgreSQL database {','.join(self.hosts)}{urlsplit(self.dsn).path}"
 
 
 _STORE_FORMS = (
@@ -41,14 +43,23 @@ _STORE_FORMS = (
     "or postgresql://USER@HOST:PORT/DATABASE"
 )
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# One host of a URL's list: a name or an IPv4 address, or an IPv6 one in brackets,
+# and an optional port.
+_HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]:/@,]+)(?::(?P<port>[0-9]{1,5}))?")
+# What the store's connections must find: a server that takes writes. Any other
+# choice of libpq's would let a decision be made on a standby, which cannot record it.
+_SESSION_ATTRS = ("read-write", "primary")
 
 
 def parse_store_url(value: str) -> StoreURL:
     """``sqlite:///relative.db`` or ``sqlite:////absolute.db``, with an optional
     ``?synchronous=full|normal``; or ``postgresql://user@host:port/db`` (also
-    ``postgres://``) with optional ``?pool=N`` and ``?password_env=NAME``, other
-    options going to the driver. Raises ValueError, also for a password written into
-    the URL: it belongs in the environment."""
+    ``postgres://``, and several hosts: ``user@h1:5432,h2:5432``) with optional
+    ``?pool=N``, ``?password_env=NAME`` and ``?require_sync=true``, other options
+    going to the driver: ``target_session_attrs=read-write`` among them unless
+    ``primary`` is given, and ``application_name=fenceproxy`` unless another is.
+    Raises ValueError, also for a password written into the URL: it belongs in the
+    environment."""
     parts = urlsplit(value)
     if parts.scheme in ("postgresql", "postgres"):
         return _parse_postgres_url(parts)
@@ -64,13 +75,22 @@ def parse_store_url(value: str) -> StoreURL:
 
 
 def _parse_postgres_url(parts: SplitResult) -> StoreURL:
-    if not parts.hostname or parts.path in ("", "/"):
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    if not hostlist or parts.path in ("", "/"):
         raise ValueError(_STORE_FORMS)
-    if parts.password is not None:
+    if ":" in userinfo:
         raise ValueError(
             "a password must not be written into the config: name the environment variable "
             "that holds it with ?password_env=NAME (or set PGPASSWORD)"
         )
+    hosts = tuple(hostlist.split(","))
+    for host in hosts:
+        found = _HOST.fullmatch(host)
+        if found is None or not 0 < int(found["port"] or 5432) < 65536:
+            raise ValueError(
+                f"{host!r} is not a host: expected HOST, HOST:PORT or [IPv6]:PORT, "
+                "several separated by commas"
+            )
     options = parse_qs(parts.query, keep_blank_values=True)
     pool = options.pop("pool", ["10"])[-1]
     if not pool.isdigit() or not 1 <= int(pool) <= 1000:
@@ -78,9 +98,26 @@ def _parse_postgres_url(parts: SplitResult) -> StoreURL:
     password_env = options.pop("password_env", [None])[-1]
     if password_env is not None and not _ENV_NAME.fullmatch(password_env):
         raise ValueError("?password_env= takes the name of an environment variable")
+    require_sync = options.pop("require_sync", ["false"])[-1]
+    if require_sync not in ("true", "false"):
+        raise ValueError("?require_sync= takes true or false")
+    options.setdefault("application_name", ["fenceproxy"])  # in pg_stat_activity
+    attrs = options.setdefault("target_session_attrs", ["read-write"])
+    if attrs[-1] not in _SESSION_ATTRS:
+        raise ValueError(
+            "?target_session_attrs= must be read-write or primary: the store decides "
+            "only where it can record, on the primary"
+        )
     query = urlencode([(k, v) for k, values in options.items() for v in values])
     dsn = urlunsplit(("postgresql", parts.netloc, parts.path, query, ""))
-    return StoreURL("postgresql", dsn=dsn, pool=int(pool), password_env=password_env)
+    return StoreURL(
+        "postgresql",
+        dsn=dsn,
+        pool=int(pool),
+        password_env=password_env,
+        hosts=hosts,
+        require_sync=require_sync == "true",
+    )
 
 
 def absolute_store_url(value: str, base: str | os.PathLike[str]) -> str:
