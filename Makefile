@@ -105,13 +105,16 @@ quick: lint $(STAMP) servers
 ## Servers the tests drive for real, from Debian's packages when missing (as root):
 ## nginx, the reference for how an upstream resolves a request path and the
 ## benchmark's baseline, PostgreSQL, the shared store (the tests start a throwaway
-## cluster of their own), wrk, the benchmark's load generator, and chromium with its
-## driver, the browser the operator page is tested in.
+## cluster of their own), Patroni and etcd, which fail that cluster over, wrk, the
+## benchmark's load generator, and chromium with its driver, the browser the
+## operator page is tested in.
 servers:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
 	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || missing="$$missing postgresql"; \
+	command -v patroni >/dev/null 2>&1 || missing="$$missing patroni"; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	command -v wrk >/dev/null 2>&1 || missing="$$missing wrk"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \

@@ -102,6 +102,7 @@ LONG = (
     "tests/test_model.py::test_the_store_follows_the_protocol_model",
     "tests/test_chaos.py::test_short_run_with_every_fault_has_no_violation",
     "tests/test_chaos.py::test_two_proxies_on_postgres_killed_independently_have_no_violation",
+    "tests/test_failover.py::test_a_failover_under_traffic",
     "tests/test_packaging.py::test_the_wheel_and_sdist_build_and_run_in_fresh_venvs",
     "tests/test_bench.py::",
 )

@@ -5,6 +5,7 @@ exists in the installed version."""
 from __future__ import annotations
 
 import inspect
+import logging
 import socket
 from collections.abc import Iterator
 
@@ -76,11 +77,32 @@ def test_the_driver_surface_the_store_calls_exists() -> None:
     assert callable(asyncpg.connect)
     for name in ("acquire", "close"):
         assert callable(getattr(asyncpg.Pool, name))
-    for name in ("transaction", "execute", "fetch", "fetchrow", "fetchval", "close"):
+    names = ("transaction", "execute", "fetch", "fetchrow", "fetchval", "close", "terminate")
+    for name in (*names, "get_settings"):
         assert callable(getattr(asyncpg.Connection, name))
     create_pool = inspect.signature(asyncpg.create_pool).parameters
-    assert {"min_size", "max_size"} <= set(create_pool)  # the rest go to connect()
+    assert {"min_size", "max_size", "init", "reset"} <= set(create_pool)  # the rest: connect()
     connect = inspect.signature(asyncpg.connect).parameters
-    assert {"password", "timeout", "command_timeout"} <= set(connect)
+    assert {"password", "timeout", "command_timeout", "target_session_attrs"} <= set(connect)
+    assert asyncpg.exceptions.ReadOnlySQLTransactionError.sqlstate == "25006"
     assert "timeout" in inspect.signature(asyncpg.Pool.acquire).parameters
     assert asyncpg.exceptions.UniqueViolationError.sqlstate == "23505"
+
+
+def test_the_pools_reconnects_are_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncpg logs each failed reconnect of its pool with a traceback; while a
+    database fails over that is one every second or so, per proxy."""
+    asyncpg_errors.reconnects_in_one_line()
+    asyncpg_errors.reconnects_in_one_line()  # once, however often
+    pool_log = logging.getLogger("asyncpg.pool")
+    assert pool_log.filters.count(asyncpg_errors._ONE_LINE) == 1
+    try:
+        raise ConnectionRefusedError(111, "Connection refused")
+    except OSError:
+        pool_log.warning("Failed to restore the pool connection floor; retrying", exc_info=True)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "Failed to restore the pool connection floor; retrying: [Errno 111] Connection refused"
+    )
+    assert record.exc_info is None
+    assert "Traceback" not in caplog.text

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import json
+import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +25,17 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import asyncpg
 import pytest
 import yaml
 
 from fenceproxy.config import Config, load_config, parse_config, parse_listen
 from fenceproxy.fence.tokens import generate_key
+from fenceproxy.store import migrate_store
 from fenceproxy.store.url import parse_store_url
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port, status
 
-from .postgres import PostgresServer, sql
+from .postgres import PostgresServer, postgres_bin, sql
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -39,6 +43,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"
 KUBERNETES = DEPLOY / "kubernetes" / "sidecar.yaml"
 UNIT = DEPLOY / "fenceproxy.service"
+HA = DEPLOY / "ha"
 UNIT_CONFIG = DEPLOY / "fenceproxy.yaml"
 # Where the venv's console scripts are: the `fenceproxy` the recipes run.
 VENV_BIN = Path(sys.executable).parent
@@ -160,6 +165,7 @@ def shipped_configs() -> dict[str, str]:
         "compose/fenceproxy.yaml": (DEPLOY / "compose" / "fenceproxy.yaml").read_text(),
         "fenceproxy.yaml": UNIT_CONFIG.read_text(),
         "kubernetes/sidecar.yaml ConfigMap": configmap_config(),
+        "ha/fenceproxy.yaml": (HA / "fenceproxy.yaml").read_text(),
     }
 
 
@@ -787,3 +793,129 @@ async def test_the_unit_commands_migrate_serve_reload_and_stop(tmp_path: Path) -
         assert await proxy.wait(within=seconds(unit_setting(text, "TimeoutStopSec"))) == 0
     finally:
         await proxy.stop()
+
+
+# --- the high-availability recipe (deploy/ha) ---------------------------------------
+
+
+def ha_services() -> dict[str, dict[str, Any]]:
+    services = yaml.safe_load((HA / "docker-compose.yml").read_text())["services"]
+    assert isinstance(services, dict)
+    return services
+
+
+def ha_nodes() -> dict[str, dict[str, Any]]:
+    """The PostgreSQL nodes: the services built from Dockerfile.patroni."""
+    return {
+        name: service
+        for name, service in ha_services().items()
+        if service.get("build", {}).get("dockerfile") == "deploy/ha/Dockerfile.patroni"
+    }
+
+
+def test_ha_proxies_name_every_patroni_node_and_require_a_synchronous_standby() -> None:
+    services = ha_services()
+    nodes = ha_nodes()
+    assert len(nodes) == 3  # a synchronous standby is left after a failover
+    config = model((HA / "fenceproxy.yaml").read_text())
+    store = parse_store_url(config.store)
+    assert store.require_sync
+    addresses = {
+        node["environment"]["PATRONI_POSTGRESQL_CONNECT_ADDRESS"] for node in nodes.values()
+    }
+    assert set(store.hosts) == addresses
+    assert "target_session_attrs=read-write" in store.dsn
+    proxies = [
+        s
+        for s in services.values()
+        if s.get("volumes") == ["./fenceproxy.yaml:/etc/fenceproxy/fenceproxy.yaml:ro"]
+    ]
+    assert len(proxies) == 3  # migrate and two proxies
+    for service in proxies:
+        for secret in secrets_named(config):
+            assert service["environment"][secret].startswith("${" + secret + ":?")
+        assert store.password_env is not None
+        for node in nodes.values():  # post-bootstrap.sh sets the role's password from it
+            assert (
+                node["environment"][store.password_env]
+                == service["environment"][store.password_env]
+            )
+    for service in services.values():
+        assert "ports" not in service or service in proxies  # only the proxies publish
+
+
+def test_ha_patroni_uses_the_three_etcd_members_and_synchronous_mode() -> None:
+    services = ha_services()
+    patroni = yaml.safe_load((HA / "patroni.yml").read_text())
+    members = [
+        name for name, s in services.items() if s.get("image", "").startswith("quay.io/coreos/etcd")
+    ]
+    assert len(members) == 3
+    assert patroni["etcd3"]["hosts"] == ",".join(f"{m}:2379" for m in members)
+    cluster = services[members[0]]["environment"]["ETCD_INITIAL_CLUSTER"]
+    assert cluster == ",".join(f"{m}=http://{m}:2380" for m in members)
+    dcs = patroni["bootstrap"]["dcs"]
+    assert dcs["synchronous_mode"] is True
+    assert dcs["postgresql"]["use_pg_rewind"] is True
+    assert dcs["ttl"] >= dcs["loop_wait"] + 2 * dcs["retry_timeout"]
+    assert (HA / patroni["bootstrap"]["post_bootstrap"].rsplit("/", 1)[1]).exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("patroni") is None or postgres_bin() is None,
+    reason="Patroni and PostgreSQL are not installed (make servers installs them)",
+)
+def test_patroni_finds_nothing_wrong_in_the_recipe_but_names_only_compose_resolves(
+    tmp_path: Path,
+) -> None:
+    node = ha_nodes()["pg0"]["environment"]
+    environment = {
+        "PATH": f"{Path(os.path.realpath(postgres_bin() / 'pg_ctl')).parent}:/usr/bin:/bin",
+        **{k: v for k, v in node.items() if not v.startswith("${")},
+        **{k: "secret" for k, v in node.items() if v.startswith("${")},
+    }
+    result = subprocess.run(
+        ["patroni", "--validate-config", str(HA / "patroni.yml")],
+        capture_output=True, text=True, env=environment, check=False, timeout=60,
+    )  # fmt: skip
+    complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    for line in complaints:
+        # The nodes' and etcd members' names, which Compose's network resolves.
+        assert "Name or service not known" in line or "is not reachable" in line, line
+    assert any(line.startswith("etcd3.hosts") for line in complaints)
+
+
+@pytest.mark.slow
+async def test_the_post_bootstrap_script_makes_the_role_the_proxies_migrate_with(
+    tmp_path: Path,
+) -> None:
+    """What Patroni runs once on a new cluster, on a real PostgreSQL whose superuser
+    is ``postgres`` as in the image; then the recipe's store URL migrates there."""
+    bin_dir = postgres_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed")
+    directory = Path(tempfile.mkdtemp(prefix="fenceproxy-postgres-"))
+    server = PostgresServer(directory, bin_dir, user="postgres").init().start()
+    try:
+        config = model((HA / "fenceproxy.yaml").read_text())
+        password_env = parse_store_url(config.store).password_env
+        assert password_env is not None
+        result = await asyncio.to_thread(
+            subprocess.run,
+            ["sh", str(HA / "post-bootstrap.sh"), server.url()],
+            capture_output=True, text=True, check=False, timeout=60,
+            env={**os.environ, password_env: "s3cret'; DROP ROLE postgres; --"},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        role = server.url("fenceproxy").replace("postgres@", "fenceproxy@", 1)
+        assert await migrate_store(role) == (0, 5)
+        conn = await asyncpg.connect(role)
+        try:
+            assert await conn.fetchval("SELECT pg_has_role('fenceproxy', 'pg_monitor', 'USAGE')")
+            owner = "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = 'fenceproxy'"
+            assert await conn.fetchval(owner) == "fenceproxy"
+        finally:
+            await conn.close()
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(directory, ignore_errors=True)

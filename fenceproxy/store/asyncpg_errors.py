@@ -25,11 +25,13 @@ raised                                          means
 
 from __future__ import annotations
 
+import logging
+
 import asyncpg
 
 from ..errors import StoreError
 
-__all__ = ["ERRORS", "failed"]
+__all__ = ["ERRORS", "failed", "reconnects_in_one_line"]
 
 ERRORS: tuple[type[Exception], ...] = (
     asyncpg.PostgresError,
@@ -45,3 +47,24 @@ def failed(doing: str, exc: Exception) -> StoreError:
     """The StoreError for ``exc``, met while ``doing`` (a sentence's start that names
     the store, such as ``cannot connect to the PostgreSQL store host/db``)."""
     return StoreError(f"{doing}: {exc}")
+
+
+class _OneLine(logging.Filter):
+    """The pool's own reconnects, while the database is down or failing over, logged
+    in one line each: asyncpg logs every failed one with a traceback, which says no
+    more than the error's message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, ERRORS):
+            record.msg, record.args = f"{record.getMessage()}: {error}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_ONE_LINE = _OneLine()
+
+
+def reconnects_in_one_line() -> None:
+    """Install the filter on asyncpg's pool logger (once, however often called)."""
+    logging.getLogger("asyncpg.pool").addFilter(_ONE_LINE)

@@ -53,7 +53,7 @@ from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from . import rows
-from .asyncpg_errors import ERRORS, failed
+from .asyncpg_errors import ERRORS, failed, reconnects_in_one_line
 from .base import Decision, JobView, Store, StoreServer, key_not_held, to_completion
 from .batch import Batches
 
@@ -371,6 +371,7 @@ class PostgresStore(Store):
         :meth:`check` also requires a synchronous standby."""
         where = _where(dsn)
         server = StoreServer()
+        reconnects_in_one_line()
 
         async def connected(conn: asyncpg.Connection) -> None:
             server.connected(_address(await conn.fetchrow(_SERVER)))
