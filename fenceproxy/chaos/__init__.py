@@ -245,8 +245,24 @@ async def _inject(run: _Run, proxies: list[ProxyProcess]) -> None:
             proxy.signal(signal.SIGKILL)
             await proxy.wait()
             run.report_counts["crashes"] += 1
-            await proxy.restart()
+            await _restart(proxy, run)
     await asyncio.gather(*resumes)
+
+
+async def _restart(proxy: ProxyProcess, run: _Run) -> None:
+    """Start a killed proxy again, as a supervisor would (systemd's ``Restart=``):
+    a proxy refuses to start while its store cannot be reached (a database failing
+    over), so it is started again a second later, for up to a minute."""
+    for attempt in range(60):
+        try:
+            await proxy.restart()
+            return
+        except RuntimeError as exc:
+            if "cannot connect to the PostgreSQL store" not in str(exc) or attempt == 59:
+                raise
+            key = "restarts while the store was unreachable"
+            run.report_counts[key] = run.report_counts.get(key, 0) + 1
+            await asyncio.sleep(1.0)
 
 
 async def _resume(
