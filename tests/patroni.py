@@ -346,6 +346,16 @@ class PatroniCluster:
 
     # -- faults and stopping ---------------------------------------------------------
 
+    def wal_senders(self, name: str) -> list[int]:
+        """The node's WAL sender processes: what streams its commits to the standby."""
+        postmaster = self.directory / name / "data" / "postmaster.pid"
+        main = int(postmaster.read_text().split()[0])
+        return [
+            pid
+            for pid, (parent, command) in _processes().items()
+            if parent == main and "walsender" in command
+        ]
+
     def kill(self, name: str) -> None:
         """SIGKILL, at once, the node's Patroni and its PostgreSQL: the postmaster and
         all its children (and a pg_rewind or pg_basebackup, if one runs). The

@@ -15,6 +15,7 @@ import collections
 import inspect
 import os
 import random
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -27,7 +28,8 @@ import asyncpg
 import pytest
 from aiohttp import web
 
-from fenceproxy.errors import StoreError
+from fenceproxy.errors import Refusal, StoreError
+from fenceproxy.fence.fencing import Admit, FencedWrite
 from fenceproxy.store import migrate_store, open_store
 from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, free_port
 
@@ -340,11 +342,13 @@ def asynchronous() -> Iterator[PatroniCluster]:
     yield from _cluster(synchronous=False)
 
 
-async def test_require_sync_holds_proxies_unready_on_an_asynchronous_cluster(
+async def test_an_asynchronous_cluster_is_not_ready_and_can_lose_a_fence_in_a_failover(
     asynchronous: PatroniCluster,
 ) -> None:
     """Patroni with synchronous_mode off: a failover may promote a standby without
-    the primary's last commits, so the last fences. ``require_sync`` says so."""
+    the primary's last commits, so the last fences. ``require_sync`` says so; and
+    without it, a fence acknowledged before the failover is lost, and the stale
+    write it refused is admitted after."""
     url = asynchronous.url()
     await migrate_store(url)
     leader = asynchronous.leader()
@@ -358,8 +362,42 @@ async def test_require_sync_holds_proxies_unready_on_an_asynchronous_cluster(
         assert store.server.address == f"127.0.0.1:{asynchronous.pg_port(leader)}"
     finally:
         await store.close()
+    # Without it the same cluster is ready, and this is what it risks: the primary
+    # acknowledges a fence the standby does not have yet (its WAL sender is paused,
+    # as a slow network or a busy standby would), and dies.
+    standby = next(name for name in NODES if name != leader)
     unchecked = await open_store(url, key_ttl=60.0)
     try:
-        await unchecked.check()  # without it, the same cluster is ready
+        await unchecked.check()
+        first, second = FencedWrite("r", "j", 1), FencedWrite("r", "j", 2)
+        assert isinstance((await unchecked.admit(first))[0], Admit)
+        await unchecked.end_turn(first)
+        replica = await asyncpg.connect(asynchronous.node_url(standby, "fenceproxy"))
+        try:
+            await until(
+                lambda: replica.fetchval("SELECT generation = 1 FROM fences WHERE job = 'j'"),
+                10, "the standby replays generation 1",
+            )  # fmt: skip
+        finally:
+            await replica.close()
+        senders = asynchronous.wal_senders(leader)
+        assert senders
+        for pid in senders:
+            os.kill(pid, signal.SIGSTOP)
+        assert isinstance((await unchecked.admit(second))[0], Admit)
+        await unchecked.end_turn(second)
+        refused = (await unchecked.admit(FencedWrite("r", "j", 1)))[0]
+        assert isinstance(refused, Refusal)
+        assert refused.slug == "stale-generation"
     finally:
         await unchecked.close()
+    await asyncio.to_thread(asynchronous.kill, leader)
+    assert (await asyncio.to_thread(asynchronous.wait_leader, leader, 60))[0] == standby
+    promoted = await open_store(url, key_ttl=60.0)
+    try:
+        # Generation 2 was acknowledged, and is gone: the write of generation 1 that
+        # the old primary refused is admitted, and would be forwarded.
+        assert await promoted.generation("j") == 1
+        assert isinstance((await promoted.admit(FencedWrite("r", "j", 1)))[0], Admit)
+    finally:
+        await promoted.close()
