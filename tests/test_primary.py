@@ -108,6 +108,32 @@ async def test_a_server_that_stops_taking_writes_is_left_and_writes_wait_with_50
     assert store.server.changes == 0  # the same server all along: no failover
 
 
+async def test_a_connection_that_was_told_its_server_is_read_only_decides_nothing(
+    store: Store, postgres: PostgresServer, start_proxy: ProxyFactory
+) -> None:
+    """A server reports a change of ``default_transaction_read_only`` (as of
+    ``in_hot_standby``) to a session after its next statement. A read succeeds
+    there; the connection that heard it is then left before any lease is decided on
+    it: a claim that would be refused as held waits with 503 instead."""
+    proxy = await start_proxy(store=store, leases={})
+    assert (await proxy.post("/_leases/k/claim", json={"owner": "w0"})).status == 200
+    admin = postgres.url()
+    await sql(
+        admin, "ALTER SYSTEM SET default_transaction_read_only = on", "SELECT pg_reload_conf()"
+    )
+    try:
+        # A read on the one connection the claim used: it succeeds, and the server's
+        # report comes with its answer.
+        assert store.server.connections == 1
+        await store.lease("k")
+        claim = await proxy.post("/_leases/k/claim", json={"owner": "w1"})
+        await problem(claim, 503, "store-unavailable")
+    finally:
+        await sql(
+            admin, "ALTER SYSTEM RESET default_transaction_read_only", "SELECT pg_reload_conf()"
+        )
+
+
 async def test_require_sync_keeps_a_proxy_unready_on_a_primary_with_no_synchronous_standby(
     url: str, start_proxy: ProxyFactory, aiohttp_client: Any
 ) -> None:
