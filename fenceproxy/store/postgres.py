@@ -805,7 +805,7 @@ def _unsafe(sync: asyncpg.Record) -> str | None:
         return (
             "it has no synchronous standby (synchronous_standby_names is empty): a failover "
             "could promote a standby without the last fences; in Patroni set "
-            "synchronous_mode: true"
+            "synchronous_mode: true, and keep a standby up (Patroni empties it while none is)"
         )
     if commit not in ("on", "remote_apply"):
         return (
