@@ -130,6 +130,10 @@ class FenceSpec(_Model):
     mode: Literal["enforce", "report"] = "enforce"
     """``report``: decide as ``enforce`` does, forward what it would refuse or replay
     anyway, marked with ``Fencing-Decision``, counted and logged: a rollout's first step."""
+    order: Literal["job", "generation"] = "job"
+    """``job``: one write of a job at the upstream at a time. ``generation``: writes of
+    the job's current generation may be at the upstream together (the holder's writes
+    are independent of each other); a newer generation's waits for every older one."""
 
     @field_validator("methods")
     @classmethod

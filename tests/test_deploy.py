@@ -32,6 +32,7 @@ import yaml
 from fenceproxy.config import Config, load_config, parse_config, parse_listen
 from fenceproxy.fence.tokens import generate_key
 from fenceproxy.store import migrate_store
+from fenceproxy.store.postgres import SCHEMA_VERSION
 from fenceproxy.store.url import parse_store_url
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port, status
 
@@ -908,7 +909,7 @@ async def test_the_post_bootstrap_script_makes_the_role_the_proxies_migrate_with
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         role = server.url("fenceproxy").replace("postgres@", "fenceproxy@", 1)
-        assert await migrate_store(role) == (0, 5)
+        assert await migrate_store(role) == (0, SCHEMA_VERSION)
         conn = await asyncpg.connect(role)
         try:
             assert await conn.fetchval("SELECT pg_has_role('fenceproxy', 'pg_monitor', 'USAGE')")

@@ -31,6 +31,7 @@ from aiohttp import web
 from fenceproxy.errors import Refusal, StoreError
 from fenceproxy.fence.fencing import Admit, FencedWrite
 from fenceproxy.store import migrate_store, open_store
+from fenceproxy.store.postgres import SCHEMA_VERSION
 from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, free_port
 
 from .patroni import NODES, PatroniCluster, patroni_available
@@ -197,7 +198,7 @@ async def test_a_failover_under_traffic_loses_nothing_and_lets_nothing_stale_thr
 ) -> None:
     recording, ledger = upstream
     url = cluster.url()
-    assert await migrate_store(url) == (0, 5)
+    assert await migrate_store(url) == (0, SCHEMA_VERSION)
     proxies = []
     for n in range(2):
         config = tmp_path / f"proxy{n}.yaml"

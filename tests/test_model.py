@@ -2,7 +2,9 @@
 
 A hypothesis state machine drives one job through a store (SQLite and PostgreSQL
 both) with random claims, renewals, completions, releases, fenced writes with and
-without idempotency keys from three callers, answers, timeouts, writes given back,
+without idempotency keys from three callers, on routes in job order and in
+generation order (several writes of one generation in flight together), answers,
+timeouts, writes given back,
 proxy crashes and clock advances. :class:`Reference` is the protocol as model/fenceproxy.pml states
 it, in a few lines of Python that share no code with the store; every answer of
 the store, and what it holds after each step, must be what the reference says.
@@ -83,11 +85,22 @@ class Reference:
     now: float
     lease: RefLease | None = None
     fence: int | None = None
-    record: tuple[str, str, float] | None = None  # holder, state, expires
+    # One per write that may be at the upstream: holder -> (state, expires, generation,
+    # shared: its route orders writes by generation).
+    records: dict[str, tuple[str, float, int, bool]] = field(default_factory=dict)
     keys: dict[str, RefKey] = field(default_factory=dict)
 
-    def live_record(self) -> tuple[str, str, float] | None:
-        return self.record if self.record and self.record[2] > self.now else None
+    def live_records(self) -> dict[str, tuple[str, float, int, bool]]:
+        return {h: r for h, r in self.records.items() if r[1] > self.now}
+
+    @property
+    def record(self) -> tuple[str, str, float] | None:
+        """What an operator is shown: the live record that holds the job longest."""
+        live = self.live_records()
+        if not live:
+            return None
+        holder = max(live, key=lambda h: live[h][1])
+        return holder, live[holder][0], live[holder][1]
 
     def lease_live(self, generation: int) -> bool:
         lease = self.lease
@@ -106,7 +119,7 @@ class Reference:
             return "job-completed"
         if lease and lease.state == "held" and self.now < lease.until:
             return "lease-held"
-        if self.live_record():
+        if self.live_records():
             return "write-in-flight"
         generation = max(lease.generation if lease else 0, self.fence or 0) + 1
         self.lease = RefLease(owner, generation, self.now + TTL, "held")
@@ -154,8 +167,7 @@ class Reference:
                 return "idempotency-key-other-caller"
             if key.fingerprint != write.fingerprint:
                 return "idempotency-key-reused"
-            record = self.live_record()
-            if key.state == "in_flight" and record and record[0] == key.holder:
+            if key.state == "in_flight" and key.holder in self.live_records():
                 return "duplicate-in-flight"
             if key.state in ("in_flight", "unknown"):
                 return "duplicate-outcome-unknown"
@@ -164,10 +176,22 @@ class Reference:
             return "stale-generation"
         if write.check_lease and not self.lease_live(write.generation):
             return "lease-not-live"
-        record = self.live_record()
-        if record and record[0] != write.turn:
-            return "busy-unknown" if record[1] == "unknown" else "busy"
-        self.record = (write.turn, "in_flight", self.now + write.hold)
+        # In the way: every other live record, but, for a write of a route in generation
+        # order, those of such routes at its own generation.
+        way = [
+            state
+            for holder, (state, _, generation, shared) in self.live_records().items()
+            if holder != write.turn
+            and not (write.shared and shared and generation == write.generation)
+        ]
+        if way:
+            return "busy-unknown" if "unknown" in way else "busy"
+        self.records[write.turn] = (
+            "in_flight",
+            self.now + write.hold,
+            write.generation,
+            write.shared,
+        )
         self.fence = max(self.fence or 0, write.generation)
         if write.key is not None:
             assert write.fingerprint is not None
@@ -185,12 +209,19 @@ class Reference:
                 key.state = state
 
     def end_turn(self, write: FencedWrite, unknown_for: float | None) -> None:
-        if self.record is None or self.record[0] != write.turn:
+        record = self.records.get(write.turn)
+        if record is None:
             return
         if unknown_for is None:
-            self.record = None
+            del self.records[write.turn]
         else:
-            self.record = (write.turn, "unknown", max(self.record[2], self.now + unknown_for))
+            _, expires, generation, shared = record
+            self.records[write.turn] = (
+                "unknown",
+                max(expires, self.now + unknown_for),
+                generation,
+                shared,
+            )
 
 
 def outcome(result: Lease | Refusal) -> int | str:
@@ -254,6 +285,13 @@ class Protocol(RuleBasedStateMachine):
         if isinstance(result, Lease):
             self.generations[worker] = result.generation
 
+    @rule(worker=st.integers(0, len(OWNERS) - 1))
+    def lease_elsewhere(self, worker: int) -> None:
+        """A worker given a newer generation by a lease service of its own (etcd, a
+        scheduler): the store learns of it from its first write, so that write may
+        meet older ones still in flight."""
+        self.generations[worker] = max(self.generations) + 1
+
     @rule(worker=st.integers(0, len(OWNERS) - 1), stale=st.booleans())
     def renew(self, worker: int, stale: bool) -> None:
         owner, generation = OWNERS[worker], self.generations[worker] - stale
@@ -287,9 +325,17 @@ class Protocol(RuleBasedStateMachine):
         body=st.sampled_from([b"a", b"b"]),
         checked=st.booleans(),
         caller=st.sampled_from(CALLERS),
+        shared=st.booleans(),
     )
     def write(
-        self, worker: int, older: int, key: str | None, body: bytes, checked: bool, caller: bytes
+        self,
+        worker: int,
+        older: int,
+        key: str | None,
+        body: bytes,
+        checked: bool,
+        caller: bytes,
+        shared: bool,
     ) -> object:
         write = FencedWrite(
             "r",
@@ -300,6 +346,7 @@ class Protocol(RuleBasedStateMachine):
             scope=caller,
             hold=HOLD,
             check_lease=checked,
+            shared=shared,
         )
         result, _ = self.run(self.store.admit(write))
         assert decision(result) == self.ref.admit(write)

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 
 from fenceproxy.store import migrate_store, open_store
 from fenceproxy.store.base import Store
-from fenceproxy.store.postgres import _unsafe
+from fenceproxy.store.postgres import SCHEMA_VERSION, _unsafe
 from fenceproxy.testing import RecordingUpstream, free_port
 
 from .conftest import ProxyFactory, fenced
@@ -50,7 +50,8 @@ async def admin_of(proxy: Client, aiohttp_client: Any) -> Client:
 async def test_a_url_of_several_hosts_migrates_and_serves_on_the_one_that_takes_writes(
     url: str, postgres: PostgresServer, start_proxy: ProxyFactory, aiohttp_client: Any
 ) -> None:
-    assert await migrate_store(url) == (5, 5)  # the first host refuses: the second is used
+    # The first host refuses: the second is used.
+    assert await migrate_store(url) == (SCHEMA_VERSION, SCHEMA_VERSION)
     store = await open_store(url, key_ttl=60.0)
     try:
         proxy = await start_proxy(store=store)

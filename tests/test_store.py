@@ -258,7 +258,7 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
         await SQLiteStore.open(path)
     config = write_config(tmp_path, f"sqlite:///{path}")
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 3 -> 6" in capsys.readouterr().out
+    assert f"SQLite file {path}: schema version 3 -> 7" in capsys.readouterr().out
     with closing(sqlite3.connect(path)) as conn:
         rows = conn.execute("SELECT route, job, key, state, scope FROM idempotency_keys")
         # Left in flight by a proxy of the old version: no record ties it to a write,
@@ -273,7 +273,7 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
     finally:
         await store.close()
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 6, up to date" in capsys.readouterr().out
+    assert "schema version 7, up to date" in capsys.readouterr().out
 
 
 # Keys a proxy stored before keys had callers: answered, with a secret in the answer.
@@ -310,11 +310,11 @@ async def test_a_sqlite_file_of_the_previous_version_keeps_its_keys_from_every_c
         conn.execute("INSERT INTO fences VALUES ('j', 7, 0)")
         conn.execute("PRAGMA user_version = 5")
         conn.commit()
-    with pytest.raises(StoreError, match="has schema version 5, and this fenceproxy needs 6"):
+    with pytest.raises(StoreError, match="has schema version 5, and this fenceproxy needs 7"):
         await SQLiteStore.open(path)
     config = write_config(tmp_path, f"sqlite:///{path}")
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 5 -> 6" in capsys.readouterr().out
+    assert f"SQLite file {path}: schema version 5 -> 7" in capsys.readouterr().out
     with closing(sqlite3.connect(path)) as conn:
         rows = conn.execute("SELECT key, state, body, scope FROM idempotency_keys").fetchall()
     assert rows == [("k", "completed", b'{"card": "4242"}', b"")]
@@ -326,11 +326,11 @@ async def test_a_sqlite_file_of_the_previous_version_keeps_its_keys_from_every_c
 
 
 async def test_a_new_sqlite_file_is_created_at_the_current_version(tmp_path: Path) -> None:
-    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 6)
+    assert await migrate_store(f"sqlite:///{tmp_path / 'a.db'}") == (0, 7)
     store = await SQLiteStore.open(tmp_path / "b.db")  # serve needs no migrate step
     await store.close()
     with closing(sqlite3.connect(tmp_path / "b.db")) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (6,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (7,)
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -340,7 +340,7 @@ async def test_a_newer_sqlite_schema_is_refused(tmp_path: Path) -> None:
     with closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA user_version = 99")
     for attempt in (SQLiteStore.open(path), SQLiteStore.migrate(path)):
-        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 6"):
+        with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 7"):
             await attempt
 
 
@@ -351,13 +351,13 @@ async def test_postgres_must_be_migrated_before_it_serves(
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 5" in capsys.readouterr().out
+    assert "schema version 0 -> 6" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 5, up to date" in capsys.readouterr().out
+    assert "schema version 6, up to date" in capsys.readouterr().out
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 5"):
+    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 6"):
         await PostgresStore.open(fresh_postgres)
 
 
@@ -401,7 +401,7 @@ async def test_a_postgres_store_of_the_previous_version_keeps_its_keys_from_ever
         await PostgresStore.open(fresh_postgres)
     config = write_config(tmp_path, fresh_postgres)
     assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 3 -> 5" in capsys.readouterr().out
+    assert "schema version 3 -> 6" in capsys.readouterr().out
     conn = await asyncpg.connect(fresh_postgres)
     try:
         rows = await conn.fetch("SELECT key, state, body, scope FROM idempotency_keys")

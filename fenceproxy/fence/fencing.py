@@ -288,6 +288,9 @@ class FencedWrite:
     check_lease: bool = False
     """Admitted only while the job's lease at ``generation`` is live on the store's
     clock (:func:`fenceproxy.leases.model.check_write`)."""
+    shared: bool = False
+    """Its route orders writes by generation: it may be in flight together with the
+    job's other shared writes of its generation (:func:`fenceproxy.leases.model.in_the_way`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,8 @@ class Fence:
     """Report only: what would be refused or replayed is forwarded, marked."""
     fields: frozenset[str]
     """The three names, lower-case: always forwarded, even when ``Connection`` names them."""
+    by_generation: bool = False
+    """``order: generation``: writes of one generation may be in flight together."""
 
     def fences(self, method: str) -> bool:
         if self.methods is None:
@@ -201,7 +203,8 @@ def _read_fields(
         SHARED_SCOPE if key is None else scope([(str(n), fields[n]) for n in fence.scope_headers])
     )
     write = FencedWrite(route.name, job, generation, key, scope=caller, replay=fence.replay,
-                        hold=hold, check_lease=fence.check_lease)  # fmt: skip
+                        hold=hold, check_lease=fence.check_lease,
+                        shared=fence.by_generation)  # fmt: skip
     return Reading(True, override, job, generation, key, write)
 
 

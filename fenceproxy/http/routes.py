@@ -72,6 +72,7 @@ class Route:
                 signed_only=spec.fence.tokens == "signed",
                 check_lease=spec.fence.check_lease,
                 report=spec.fence.mode == "report",
+                by_generation=spec.fence.order == "generation",
             )
         pattern = None
         if job_in_path or not spec.match_case:

@@ -5,7 +5,8 @@ Each function takes the job's record as the store holds it (or None), the store'
 in one transaction. ``now`` always comes from the store's clock, never a worker's.
 
 What a store decides inside its transactions is here too: :func:`decide_write`
-(the fence, the key and, on a lease-checked route, the lease) and
+(the fence, the key and, on a lease-checked route, the lease), :func:`in_the_way`
+(whether the job's writes in flight let an admitted write go now) and
 :func:`decide_lease` (a lease change, held back while an older write may still
 reach the upstream). The store reads the rows, calls them and writes the outcome.
 """
@@ -13,7 +14,7 @@ reach the upstream). The store reads the rows, calls them and writes the outcome
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from ..errors import (
@@ -28,9 +29,10 @@ from ..errors import (
     Refusal,
     WriteInFlight,
 )
-from ..fence.fencing import GENERATION_MAX, Admit, FencedWrite, KeyRecord, Replay, decide
+from ..fence.fencing import GENERATION_MAX, Admit, Busy, FencedWrite, KeyRecord, Replay, decide
 
 __all__ = [
+    "InFlight",
     "Lease",
     "LeaseChange",
     "LeaseState",
@@ -40,6 +42,7 @@ __all__ = [
     "complete",
     "decide_lease",
     "decide_write",
+    "in_the_way",
     "release",
     "renew",
 ]
@@ -261,3 +264,50 @@ def decide_lease(
     if isinstance(result, Refusal):
         return result
     return after_writes(result, current, in_flight_until, now)
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """One write of a job that may be at the upstream: its in-flight record.
+
+    A job holds one per admitted write until the upstream answered it, or, when its
+    outcome is unknown, until its quarantine is over (``state`` ``unknown``). A
+    record of a proxy that died stays until it expires: only its job waits."""
+
+    holder: str
+    """The write's turn (:attr:`FencedWrite.turn`)."""
+    state: str
+    """``in_flight``, or ``unknown`` once it was sent and got no answer."""
+    expires_at: float
+    """On the store's clock."""
+    generation: int
+    shared: bool
+    """Its route orders writes by generation (:attr:`FencedWrite.shared`)."""
+
+
+def in_the_way(write: FencedWrite, records: Iterable[InFlight], now: float) -> Busy | None:
+    """Whether the job's live in-flight ``records`` hold back ``write``, which the
+    fence would admit: :class:`Busy` if they do, else None and it may go.
+
+    In job order (the default) any other write in flight holds it back: one write of
+    a job at the upstream at a time. In generation order a shared write goes along
+    with the shared writes of its own generation, and waits for every other: one of
+    an older generation (or of a route in job order) may still land, and a newer
+    generation's write must never be overtaken by it. A newer generation's record
+    cannot exist here: the fence refuses the write as stale first.
+
+    ``retry_after`` is when the last of them expires; ``unknown`` says one of them
+    got no answer, so waiting before then is in vain."""
+    blocking = [
+        r
+        for r in records
+        if r.expires_at > now
+        and r.holder != write.turn
+        and not (write.shared and r.shared and r.generation == write.generation)
+    ]
+    if not blocking:
+        return None
+    return Busy(
+        retry_after=max(r.expires_at for r in blocking) - now,
+        unknown=any(r.state == "unknown" for r in blocking),
+    )

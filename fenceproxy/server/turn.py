@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -57,60 +58,108 @@ _Slot = tuple[str, str]  # (job, key): a key is its job's, whatever route it cam
 
 
 class JobLocks:
-    """In-process FIFO locks per job, dropped when nobody holds or waits for them.
+    """In-process gates per job, first come first served, dropped when nobody holds
+    or waits for them.
 
-    They order one process's writes of a job and spare the store their contention;
-    the order across processes is the store's in-flight record.
+    A write in job order holds its job's gate alone. Writes of a route in generation
+    order (``share``: their generation) hold it together with the others of their
+    generation that come while it is open to them, that is, before anyone waits. The
+    gates order one process's writes of a job and spare the store their contention;
+    the order across processes is the store's in-flight records.
     """
 
-    __slots__ = ("_locks",)
+    __slots__ = ("_gates",)
 
     class Held:
-        __slots__ = ("_job", "_owner")
+        __slots__ = ("_job", "_owner", "_share")
 
-        def __init__(self, owner: JobLocks, job: str) -> None:
+        def __init__(self, owner: JobLocks, job: str, share: int | None) -> None:
             self._owner = owner
             self._job = job
+            self._share = share
 
         async def __aenter__(self) -> None:
-            await self._owner._acquire(self._job)
+            await self._owner._acquire(self._job, self._share)
 
         async def __aexit__(self, *exc: object) -> None:
             self._owner._release(self._job)
 
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+    class _Gate:
+        __slots__ = ("holders", "share", "waiting")
 
-    def __call__(self, job: str) -> JobLocks.Held:
-        return JobLocks.Held(self, job)
+        def __init__(self) -> None:
+            self.holders = 0
+            self.share: int | None = None
+            self.waiting: deque[tuple[int | None, asyncio.Future[None]]] = deque()
+
+        def open_to(self, share: int | None) -> bool:
+            """Whether a newcomer of ``share`` may go in at once."""
+            if self.waiting:
+                return False
+            return self.holders == 0 or (share is not None and share == self.share)
+
+    def __init__(self) -> None:
+        self._gates: dict[str, JobLocks._Gate] = {}
+
+    def __call__(self, job: str, share: int | None = None) -> JobLocks.Held:
+        return JobLocks.Held(self, job, share)
 
     def __len__(self) -> int:
-        return len(self._locks)
+        return len(self._gates)
 
     def users(self, job: str) -> int:
-        """How many writes of ``job`` hold or wait for its lock."""
-        entry = self._locks.get(job)
-        return 0 if entry is None else entry[1]
+        """How many writes of ``job`` hold or wait for its gate."""
+        gate = self._gates.get(job)
+        return 0 if gate is None else gate.holders + len(gate.waiting)
 
-    async def _acquire(self, job: str) -> None:
-        lock, users = self._locks.get(job) or (asyncio.Lock(), 0)
-        self._locks[job] = (lock, users + 1)
+    def open_to(self, job: str, share: int | None = None) -> bool:
+        """Whether a write of ``share`` would go in at once."""
+        gate = self._gates.get(job)
+        return gate is None or gate.open_to(share)
+
+    async def _acquire(self, job: str, share: int | None) -> None:
+        gate = self._gates.get(job)
+        if gate is None:
+            gate = self._gates[job] = JobLocks._Gate()
+        if gate.open_to(share):
+            gate.holders += 1
+            gate.share = share
+            return
+        entry = (share, asyncio.get_running_loop().create_future())
+        gate.waiting.append(entry)
         try:
-            await lock.acquire()
+            await entry[1]
         except BaseException:
-            self._drop(job)
+            if entry[1].done() and not entry[1].cancelled():
+                self._release(job)  # let in just as it was cancelled
+            else:
+                if entry in gate.waiting:  # unless a release already passed over it
+                    gate.waiting.remove(entry)
+                self._drop_if_unused(job, gate)
             raise
 
     def _release(self, job: str) -> None:
-        self._locks[job][0].release()
-        self._drop(job)
+        gate = self._gates[job]
+        gate.holders -= 1
+        if gate.holders == 0:
+            # The first in line goes in, and with it those behind it that share with it.
+            while gate.waiting:
+                share, waiter = gate.waiting[0]
+                if gate.holders and (share is None or share != gate.share):
+                    break
+                gate.waiting.popleft()
+                if waiter.done():
+                    continue
+                waiter.set_result(None)
+                gate.holders += 1
+                gate.share = share
+                if share is None:
+                    break
+        self._drop_if_unused(job, gate)
 
-    def _drop(self, job: str) -> None:
-        lock, users = self._locks[job]
-        if users == 1:
-            del self._locks[job]
-        else:
-            self._locks[job] = (lock, users - 1)
+    def _drop_if_unused(self, job: str, gate: JobLocks._Gate) -> None:
+        if gate.holders == 0 and not gate.waiting and self._gates.get(job) is gate:
+            del self._gates[job]
 
 
 class Turns:
@@ -298,14 +347,17 @@ class Turn:
         return None
 
     async def _queue(self, stack: AsyncExitStack) -> None:
-        """Wait behind this process's earlier writes of the job, up to the route's timeout."""
-        job, locks = self._write.job, self._turns.locks
-        if not locks.users(job):
-            await stack.enter_async_context(locks(job))  # free: taken at once
+        """Wait behind this process's earlier writes of the job, up to the route's
+        timeout; a write of a route in generation order goes along with those of its
+        generation."""
+        write, locks = self._write, self._turns.locks
+        share = write.generation if write.shared else None
+        if locks.open_to(write.job, share):
+            await stack.enter_async_context(locks(write.job, share))  # taken at once
             return
         try:
             async with asyncio.timeout(self._route.timeout):
-                await stack.enter_async_context(locks(job))
+                await stack.enter_async_context(locks(write.job, share))
         except TimeoutError:
             raise _waited_too_long(self._write, retry_after=1.0) from None
 

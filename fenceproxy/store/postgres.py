@@ -9,16 +9,17 @@ Admissions and settlements (a key completed, marked unknown or forgotten; a reco
 cleared or held) that arrive together go to the database as one batch
 (:mod:`.batch`), in one transaction with one commit:
 
-1. one call of ``fenceproxy_batch`` (a server-side function, schema 5) goes through
+1. one call of ``fenceproxy_batch`` (a server-side function, schema 6) goes through
    the batch job by job, in the one order every proxy uses (by job id). A settlement
-   is applied. A take holds the job's advisory lock, shared, and takes the job's
-   in-flight record with an ``INSERT ... ON CONFLICT DO UPDATE`` that succeeds only
-   when the record is absent, expired or already this write's. Two proxies admitting
-   one job meet on that row: the second waits for the first's commit, then finds the
-   record live and gets :class:`~fenceproxy.fence.fencing.Busy`. Then a statement of
-   its own reads the take's fence, key and lease, each by its primary key, with a
-   snapshot taken after the record was won: no admission or lease change of the job
-   can commit in between;
+   is applied. A take holds the job's advisory lock until the commit, then reads
+   the job's live in-flight records (one per write that may be at the upstream) and
+   adds its own unless one of them is in its way
+   (:func:`~fenceproxy.leases.model.in_the_way`). Two proxies admitting one job
+   meet on that lock: the second waits for the first's commit, then finds the
+   first's record and gets :class:`~fenceproxy.fence.fencing.Busy` (unless both are
+   shared writes of one generation). Then a statement of its own reads the take's
+   fence, key and lease, each by its primary key, with a snapshot taken after the
+   lock was won: no admission or lease change of the job can commit in between;
 2. each take is decided on its own, in Python (:func:`~fenceproxy.leases.model.decide_write`);
 3. one statement writes what the admitted ones need (the fence only ever rises,
    ``GREATEST``; the key goes in flight) and puts back the records that refused
@@ -66,14 +67,8 @@ if TYPE_CHECKING:  # subscriptable in the type stubs only
 
     _Conn = PoolConnectionProxy[asyncpg.Record]
 
-# One batch's first step, in one call (see PostgresStore._run_batch). Its arrays hold
-# one operation each, sorted by job: every row lock and advisory lock a batch takes is
-# taken job after job in that one order, whatever the operations' kinds, so two
-# batches (of one proxy or of two) never wait for each other in a circle. A take
-# holds the job's advisory lock (shared) until the commit, and its in-flight record
-# if it was free; the reads that follow are a statement of their own, so they see
-# every commit made before the record was won. They look each row up by its key: one
-# join over every take of the batch was planned as scans of whole tables.
+# One batch's first step, in one call (see PostgresStore._run_batch), as schema 5 had
+# it, with one in-flight record per job; schema 6 replaces it (_BATCH_FUNCTION_SETS).
 _BATCH_FUNCTION = """
 CREATE FUNCTION fenceproxy_batch(
     kinds text[], jobs text[], turns text[], seconds double precision[], keys text[],
@@ -121,6 +116,115 @@ BEGIN
                    k.scope, l.job, l.owner, l.generation, l.lease_until, l.ttl, l.state
             FROM (SELECT) AS one
             LEFT JOIN inflight i ON i.job = jobs[n]
+            LEFT JOIN idempotency_keys k ON k.job = jobs[n] AND k.key = keys[n]
+                AND (k.expires_at > t
+                     OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight h
+                         WHERE h.job = k.job AND h.holder = k.holder AND h.expires_at > t)))
+            LEFT JOIN leases l ON l.job = jobs[n] AND check_leases[n];
+            CONTINUE;
+        END IF;
+        t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+        IF kinds[n] = 'end' THEN
+            DELETE FROM inflight WHERE job = jobs[n] AND holder = turns[n];
+        ELSIF kinds[n] = 'hold' THEN
+            UPDATE inflight SET state = 'unknown', expires_at = GREATEST(expires_at, t + seconds[n])
+            WHERE job = jobs[n] AND holder = turns[n];
+        ELSIF kinds[n] = 'complete' THEN
+            UPDATE idempotency_keys SET state = 'completed', status = statuses[n],
+                headers = fenceproxy_batch.headers[n], body = bodies[n],
+                expires_at = GREATEST(expires_at, t + key_ttl)
+            WHERE job = jobs[n] AND key = keys[n] AND state = 'in_flight' AND holder = turns[n];
+        ELSIF kinds[n] = 'unknown' THEN
+            UPDATE idempotency_keys SET state = 'unknown',
+                expires_at = GREATEST(expires_at, t + key_ttl)
+            WHERE job = jobs[n] AND key = keys[n] AND state = 'in_flight' AND holder = turns[n];
+        ELSIF kinds[n] = 'forget' THEN
+            DELETE FROM idempotency_keys
+            WHERE job = jobs[n] AND key = keys[n] AND state = 'in_flight' AND holder = turns[n];
+        ELSE
+            RAISE EXCEPTION 'fenceproxy_batch: no operation %', kinds[n];
+        END IF;
+        GET DIAGNOSTICS changed = ROW_COUNT;
+        r_n := n;
+        r_changed := changed > 0;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+"""
+
+# One batch's first step, in one call (see PostgresStore._run_batch). Its arrays hold
+# one operation each, sorted by job: every row lock and advisory lock a batch takes is
+# taken job after job in that one order, whatever the operations' kinds, so two
+# batches (of one proxy or of two) never wait for each other in a circle. A take
+# holds the job's advisory lock until the commit, and adds its in-flight record when
+# none is in its way; the reads that follow are a statement of their own, so they see
+# every commit made before the lock was won. They look each row up by its key: one
+# join over every take of the batch was planned as scans of whole tables.
+_BATCH_FUNCTION_SETS = """
+DROP FUNCTION fenceproxy_batch(text[], text[], text[], double precision[], text[], boolean[],
+    integer[], text[], bytea[], double precision, double precision);
+CREATE FUNCTION fenceproxy_batch(
+    kinds text[], jobs text[], turns text[], seconds double precision[], keys text[],
+    check_leases boolean[], statuses integer[], headers text[], bodies bytea[],
+    clock double precision, key_ttl double precision, generations bigint[], shared boolean[]
+) RETURNS TABLE (
+    r_n integer, r_now double precision, r_changed boolean, r_got boolean,
+    r_prior_holder text, r_prior_state text, r_prior_expires double precision,
+    r_record_state text, r_record_expires double precision, r_fence bigint,
+    r_key_state text, r_key_fingerprint bytea, r_key_status integer, r_key_headers text,
+    r_key_body bytea, r_key_live boolean, r_key_scope bytea,
+    r_lease_job text, r_lease_owner text, r_lease_generation bigint,
+    r_lease_until double precision, r_lease_ttl double precision, r_lease_state text
+) LANGUAGE plpgsql AS $$
+DECLARE
+    n integer;
+    t double precision;
+    changed integer;
+    prior inflight%ROWTYPE;
+    way_until double precision;
+    way_unknown boolean;
+BEGIN
+    FOR n IN 1 .. coalesce(array_length(kinds, 1), 0) LOOP
+        IF kinds[n] = 'take' THEN
+            PERFORM pg_advisory_xact_lock(hashtextextended(jobs[n], 0));
+            -- The job's live records in this write's way, in a statement of its own so
+            -- it sees every commit made before the lock was won: any other write's in
+            -- job order; in generation order, any but the shared ones of its generation
+            -- (fenceproxy.leases.model.in_the_way).
+            t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+            SELECT max(i.expires_at), bool_or(i.state = 'unknown') INTO way_until, way_unknown
+            FROM inflight i
+            WHERE i.job = jobs[n] AND i.holder <> turns[n] AND i.expires_at > t
+              AND NOT (fenceproxy_batch.shared[n] AND i.shared AND i.generation = generations[n]);
+            -- What this write's own record was, to put back if the write is refused.
+            prior := NULL;
+            changed := 0;
+            IF way_until IS NULL THEN
+                SELECT * INTO prior FROM inflight i
+                WHERE i.job = jobs[n] AND i.holder = turns[n] FOR UPDATE;
+                INSERT INTO inflight AS i (job, holder, state, expires_at, generation, shared)
+                VALUES (jobs[n], turns[n], 'in_flight', t + seconds[n], generations[n],
+                        fenceproxy_batch.shared[n])
+                ON CONFLICT (job, holder) DO UPDATE
+                    SET state = 'in_flight', expires_at = excluded.expires_at,
+                        generation = excluded.generation, shared = excluded.shared;
+                changed := 1;
+            END IF;
+            -- What the write is decided on, each row found by its key, in a statement
+            -- of its own: it sees every commit made before the record was won, and no
+            -- admission or lease change of the job can commit until this batch does.
+            t := coalesce(clock, extract(epoch FROM clock_timestamp())::double precision);
+            RETURN QUERY
+            SELECT n, t, NULL::boolean, changed > 0, prior.holder, prior.state,
+                   prior.expires_at,
+                   CASE WHEN way_unknown THEN 'unknown' ELSE 'in_flight' END, way_until,
+                   (SELECT f.generation FROM fences f WHERE f.job = jobs[n]),
+                   k.state, k.fingerprint, k.status, k.headers, k.body,
+                   EXISTS (SELECT 1 FROM inflight h WHERE h.job = k.job AND h.holder = k.holder
+                           AND h.expires_at > t),
+                   k.scope, l.job, l.owner, l.generation, l.lease_until, l.ttl, l.state
+            FROM (SELECT) AS one
             LEFT JOIN idempotency_keys k ON k.job = jobs[n] AND k.key = keys[n]
                 AND (k.expires_at > t
                      OR (k.state = 'in_flight' AND EXISTS (SELECT 1 FROM inflight h
@@ -228,6 +332,18 @@ ALTER TABLE idempotency_keys ADD COLUMN scope bytea NOT NULL DEFAULT ''::bytea;
     # admission decides on. A proxy from before would not take its jobs in order, so
     # could deadlock with these: the version keeps it out.
     5: _BATCH_FUNCTION,
+    # A job's in-flight records are a set, one per write that may be at the upstream
+    # (fenceproxy.leases.model.in_the_way): writes of one generation on a route in
+    # generation order go together. Admissions now take the job's advisory lock
+    # alone, as lease changes do: no row is theirs to wait on. A record from before
+    # holds its job as it did, alone, until it expires. A proxy from before would take
+    # the one record per job: the version keeps it out.
+    6: """
+ALTER TABLE inflight ADD COLUMN generation bigint NOT NULL DEFAULT 0,
+    ADD COLUMN shared boolean NOT NULL DEFAULT false;
+ALTER TABLE inflight DROP CONSTRAINT inflight_pkey, ADD PRIMARY KEY (job, holder);
+"""
+    + _BATCH_FUNCTION_SETS,
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 _VERSION_TABLE = "fenceproxy_schema"
@@ -255,7 +371,7 @@ def _sql(statement: str) -> str:
 _READ_FOR_LEASE = _sql(
     f"""
 SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1),
-       (SELECT expires_at FROM inflight WHERE job = $1)
+       (SELECT max(expires_at) FROM inflight WHERE job = $1)
 """
 )
 _RAISE_FENCE = """
@@ -265,12 +381,11 @@ ON CONFLICT (job) DO UPDATE
 RETURNING generation
 """
 _LEASE = "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = $1"
-_BATCH = "SELECT * FROM fenceproxy_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+_BATCH = "SELECT * FROM fenceproxy_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
 # A batch's second step, for the takes it admitted and refused: the fences only ever
 # rise, the keys go in flight, the records of refused writes are given back. Every row
-# it touches belongs to a job whose in-flight record this transaction holds (or, for
-# a fence, whose advisory lock it holds shared, which a lease change waits for), so
-# it waits for no other batch.
+# it touches belongs to a job whose advisory lock this transaction holds, so it waits
+# for no other batch.
 _APPLY = """
 WITH raised AS (
     INSERT INTO fences AS f (job, generation, updated_at)
@@ -470,8 +585,8 @@ class PostgresStore(Store):
 
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
         async def tx(conn: _Conn) -> tuple[Lease | Refusal, float]:
-            # The job's lock, alone: no other lease change and no admission of the job
-            # (they take it shared) runs until this commits, on any proxy.
+            # The job's lock: no other lease change and no admission of the job runs
+            # until this commits, on any proxy.
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", job)
             current = rows.lease_record(await conn.fetchrow(_LEASE, job))
             now, fence, in_flight_until = await _one(conn, _READ_FOR_LEASE, job, self._clock())
@@ -661,6 +776,8 @@ class PostgresStore(Store):
             [None if r is None else r.body for r in responses],
             self._clock(),
             self._key_ttl,
+            [op.write.generation for op in batch],
+            [op.write.shared for op in batch],
         )
 
     @staticmethod
@@ -729,7 +846,8 @@ class _Applied:
     """What a batch writes once its takes are decided: the fences raised, the keys
     put in flight, and the records taken by writes that were refused, given back."""
 
-    fences: list[tuple[str, int, float]] = field(default_factory=list)
+    fences: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    """Per job, once: writes of one generation may be admitted together."""
     keys: list[tuple[Any, ...]] = field(default_factory=list)
     records: list[tuple[Any, ...]] = field(default_factory=list)
 
@@ -739,7 +857,9 @@ class _Applied:
 
     def admit(self, write: FencedWrite, decision: Admit, now: float, key_ttl: float) -> None:
         if decision.raise_to is not None:
-            self.fences.append((write.job, decision.raise_to, now))
+            raised = self.fences.get(write.job)
+            if raised is None or raised[1] < decision.raise_to:
+                self.fences[write.job] = (write.job, decision.raise_to, now)
         if write.key is not None:
             self.keys.append(rows.key_row(write, now, key_ttl))
 
@@ -752,7 +872,8 @@ class _Applied:
     def arguments(self) -> list[list[Any]]:
         """One array per column: the fences', the keys', the records'."""
         columns: list[list[Any]] = []
-        for entries, width in ((self.fences, 3), (self.keys, 9), (self.records, 5)):
+        fences = list(self.fences.values())
+        for entries, width in ((fences, 3), (self.keys, 9), (self.records, 5)):
             columns.extend(list(column) for column in zip(*entries, strict=True))
             if not entries:
                 columns.extend([] for _ in range(width))

@@ -8,13 +8,14 @@ import json
 from typing import Any
 
 from ..fence.fencing import FencedWrite, KeyRecord, KeyState, StoredResponse
-from ..leases.model import Lease, LeaseState
+from ..leases.model import InFlight, Lease, LeaseState
 from .base import JobView, KeyView
 
 __all__ = [
     "JOBS_SQL",
     "JOB_VIEW_SQL",
     "RECENT_KEYS",
+    "in_flight_records",
     "job_view",
     "key_record",
     "key_row",
@@ -27,7 +28,8 @@ RECENT_KEYS = 20
 JOB_VIEW_SQL = (
     "SELECT generation, updated_at FROM fences WHERE job = ?",
     "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = ?",
-    "SELECT holder, state, expires_at FROM inflight WHERE job = ?",
+    # The job's write in flight that holds it longest, when several are (shown while live).
+    "SELECT holder, state, expires_at FROM inflight WHERE job = ? ORDER BY expires_at DESC LIMIT 1",
     "SELECT route, key, state, generation, status, created_at, expires_at"
     f" FROM idempotency_keys WHERE job = ? ORDER BY created_at DESC LIMIT {RECENT_KEYS}",
 )
@@ -48,10 +50,18 @@ def job_view(job: str, now: float, fence: Any, lease: Any, inflight: Any, keys: 
         generation_set_at=None if fence is None else float(fence[1]),
         lease=lease_record(lease),
         in_flight=None
-        if inflight is None
+        if inflight is None or float(inflight[2]) <= now
         else (str(inflight[0]), str(inflight[1]), float(inflight[2])),
         keys=tuple(_key_view(row) for row in keys),
     )
+
+
+def in_flight_records(found: Any) -> list[InFlight]:
+    """In-flight records from rows of (holder, state, expires_at, generation, shared)."""
+    return [
+        InFlight(str(holder), str(state), float(expires_at), int(generation), bool(shared))
+        for holder, state, expires_at, generation, shared in found
+    ]
 
 
 def _key_view(row: Any) -> KeyView:

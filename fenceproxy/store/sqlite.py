@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
 from ..errors import Refusal, StoreError
-from ..fence.fencing import Admit, Busy, FencedWrite, StoredResponse
-from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
+from ..fence.fencing import Admit, FencedWrite, StoredResponse
+from ..leases.model import Lease, LeaseChange, decide_lease, decide_write, in_the_way
 from ..log import store_log
 from . import rows, sqlite_errors
 from .base import Decision, JobView, Store, key_not_held
@@ -139,6 +139,26 @@ CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
     # caller: the empty scope matches none, so their answers are replayed to nobody.
     6: """
 ALTER TABLE idempotency_keys ADD COLUMN scope BLOB NOT NULL DEFAULT x'';
+""",
+    # A job's in-flight records are a set, one per write that may be at the upstream
+    # (fenceproxy.leases.model.in_the_way): writes of one generation on a route in
+    # generation order go together. A record from before holds its job as it did,
+    # alone, until it expires.
+    7: """
+CREATE TABLE inflight_writes (
+    job         TEXT NOT NULL,
+    holder      TEXT NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'unknown')),
+    expires_at  REAL NOT NULL,
+    generation  INTEGER NOT NULL,
+    shared      INTEGER NOT NULL CHECK (shared IN (0, 1)),
+    PRIMARY KEY (job, holder)
+) WITHOUT ROWID;
+INSERT INTO inflight_writes (job, holder, state, expires_at, generation, shared)
+SELECT job, holder, state, expires_at, 0, 0 FROM inflight;
+DROP TABLE inflight;
+ALTER TABLE inflight_writes RENAME TO inflight;
+CREATE INDEX inflight_expiry ON inflight (expires_at);
 """,
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
@@ -260,16 +280,18 @@ class SQLiteStore(Store):
             decision = decide_write(write, current, record, lease, now)
             if not isinstance(decision, Admit):
                 return decision, recorded_at
-            turn = tx.one(
-                "SELECT holder, state, expires_at FROM inflight WHERE job = ?", (write.job,)
+            records = tx.all(
+                "SELECT holder, state, expires_at, generation, shared FROM inflight"
+                " WHERE job = ? AND expires_at > ?",
+                (write.job, now),
             )
-            if turn is not None and turn[2] > now and turn[0] != write.turn:
-                busy = Busy(retry_after=turn[2] - now, unknown=turn[1] == "unknown")
+            busy = in_the_way(write, rows.in_flight_records(records), now)
+            if busy is not None:
                 return busy, recorded_at
             tx.write(
-                "INSERT OR REPLACE INTO inflight (job, holder, state, expires_at)"
-                " VALUES (?, ?, 'in_flight', ?)",
-                (write.job, write.turn, now + write.hold),
+                "INSERT OR REPLACE INTO inflight (job, holder, state, expires_at, generation,"
+                " shared) VALUES (?, ?, 'in_flight', ?, ?, ?)",
+                (write.job, write.turn, now + write.hold, write.generation, write.shared),
             )
             if decision.raise_to is not None:
                 tx.raise_fence(write.job, decision.raise_to, now)
@@ -336,8 +358,8 @@ class SQLiteStore(Store):
             now = self._clock()
             current = rows.lease_record(tx.one(_LEASE_SQL, (job,)))
             fence = tx.fence(job)
-            turn = tx.one("SELECT expires_at FROM inflight WHERE job = ?", (job,))
-            result = decide_lease(change, current, fence, None if turn is None else turn[0], now)
+            (until,) = tx.one("SELECT max(expires_at) FROM inflight WHERE job = ?", (job,))
+            result = decide_lease(change, current, fence, until, now)
             if isinstance(result, Lease) and result != current:
                 tx.write(
                     "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
@@ -493,6 +515,10 @@ class _Batch:
     def one(self, sql: str, params: tuple[Any, ...] | dict[str, Any]) -> Any:
         """The first row, or None."""
         return self.conn.execute(sql, params).fetchone()
+
+    def all(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        """Every row."""
+        return self.conn.execute(sql, params).fetchall()
 
     def write(self, sql: str, params: tuple[Any, ...] = ()) -> int:
         """Run a write in the batch's transaction; the number of rows it changed."""
