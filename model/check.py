@@ -40,10 +40,13 @@ class Check:
     reports what it has visited)."""
     mutant: str | None = None
     what: str = ""
+    modes: tuple[str, ...] = ()
+    """The model's modes: ORDER_GENERATION, EXTERNAL_LEASES (see its header)."""
 
     def defines(self) -> list[str]:
         named = [f"-D{k}={v}" for k, v in self.bounds.items()]
-        return named + ([f"-D{self.mutant}"] if self.mutant else [])
+        flags = [*self.modes, *([self.mutant] if self.mutant else [])]
+        return named + [f"-D{flag}" for flag in flags]
 
 
 # The bounds every check states. One job throughout; the store's clock is counted
@@ -54,6 +57,12 @@ TWO_PROXIES = {**SMALL, "PROXIES": 2, "MAXT": 2}
 MORE_CLAIMS = {**SMALL, "MAXGEN": 4, "MAXT": 2, "MAXCRASH": 0}
 SLACK = {**SMALL, "SLACK": 1}
 LARGE = {"WORKERS": 3, "PROXIES": 2, "KEYS": 2, "MAXGEN": 4, "MAXT": 4, "MAXCRASH": 2}
+# Ordered by generation, a worker has two writers, and the state space grows fast:
+# one worker (restarted, so two generations), the clock to 1 exhaustively; more
+# under bitstate.
+PARALLEL = {"WORKERS": 1, "PROXIES": 1, "KEYS": 1, "MAXGEN": 2, "MAXT": 1, "MAXCRASH": 0}
+GENERATION = ("ORDER_GENERATION",)
+ELSEWHERE = ("ORDER_GENERATION", "EXTERNAL_LEASES")
 
 CHECKS = [
     Check("exhaustive: one proxy that crashes", SMALL),
@@ -61,6 +70,19 @@ CHECKS = [
     Check("exhaustive: four claims", MORE_CLAIMS),
     Check("exhaustive: a turn slack of one tick", SLACK),
     Check("bitstate: three workers, two proxies, two keys", LARGE, bitstate=True, seconds=30),
+    Check("exhaustive: writes of one holder in parallel", PARALLEL, modes=GENERATION),
+    Check(
+        "exhaustive: in parallel, generations from a lease service elsewhere",
+        PARALLEL,
+        modes=ELSEWHERE,
+    ),
+    Check(
+        "bitstate: in parallel, two workers, a crash",
+        {**SMALL, "MAXT": 2},
+        bitstate=True,
+        seconds=30,
+        modes=GENERATION,
+    ),
 ]
 
 # What each assertion of the model means, for a reader of a counterexample. A mutant
@@ -71,11 +93,11 @@ PROPERTIES = {
     "kapplied": "a keyed write was applied twice",
     "buntil[v]<=now": "two workers were told they hold the job at one instant",
     "ng>issued": "a generation was handed out twice",
-    "rholder!=255": "a job was held with no write in flight",
+    "rholder==255": "a job was held with no write in flight",
     "!(checked)": "a lease-checked route admitted a write without a live lease",
 }
 
-# Each mutant: the bug, and the bounds it is checked within.
+# Each mutant: the bug, the bounds it is checked within and the modes, if any.
 MUTANTS = {
     "FENCE_AFTER_FORWARD": ("the fence is checked and raised after forwarding", SMALL),
     "CLAIM_NO_RAISE": ("a claim does not raise the fence to its generation", SMALL),
@@ -89,10 +111,15 @@ MUTANTS = {
     "CLOSE_NOT_ABORT": ("a write cut at its timeout is closed, its body flushed on", SMALL),
     "HOLD_NO_SLACK": ("the in-flight record does not count the turn slack", SLACK),
     "NO_LEASE_CHECK": ("a lease-checked route does not check the lease", SMALL),
+    "GEN_OVERTAKE": (
+        "ordered by generation, a newer generation's write overtakes an older one in flight",
+        PARALLEL,
+        ELSEWHERE,
+    ),
 }
 CHECKS += [
-    Check(f"mutant {name}", bounds, mutant=name, what=what)
-    for name, (what, bounds) in MUTANTS.items()
+    Check(f"mutant {name}", bounds, mutant=name, what=what, modes=tuple(*modes))
+    for name, (what, bounds, *modes) in MUTANTS.items()
 ]
 
 

@@ -24,6 +24,15 @@
  * a proxy whose clock runs slower than the store's by more than the slack is
  * outside the model.
  *
+ * With -DORDER_GENERATION the route orders writes by generation (fence.order:
+ * generation): each worker has a second writer, so a holder may have two writes
+ * in flight at once; the job's in-flight records are a set, one per admitted
+ * write, and a write is held back only by a live record of another generation
+ * (fenceproxy/leases/model.py, in_the_way). With -DEXTERNAL_LEASES the workers'
+ * generations come from a lease service of their own, which knows nothing of the
+ * writes in flight: the store learns of a generation from its first write, so
+ * that write may meet older ones still in flight.
+ *
  * Each mutant (-DNAME, listed in model/check.py) is a deliberate protocol bug that
  * must fail. The printf lines tell a counterexample's story when a trail is
  * replayed (pan -r -S); the verifier does not print them.
@@ -59,9 +68,18 @@
 #define HOLD (SLACK + TIMEOUT + QUAR)
 #endif
 
+#ifdef ORDER_GENERATION
+#define WRITERS 2                        /* writes a worker may have going at once */
+#else
+#define WRITERS 1
+#endif
 #define NOKEY KEYS                       /* a write without a key */
-#define TURNS 8                          /* turn names per worker */
-#define SLOTS (2 * WORKERS)              /* writes on the wire at once, at most */
+#define TURNS 8                          /* turn names per writer */
+#ifdef ORDER_GENERATION
+#define SLOTS 8                          /* writes on the wire at once, at most */
+#else
+#define SLOTS (2 * WORKERS)
+#endif
 #define CRASHED 255                      /* the holder a restart would invent */
 
 /* The store's clock (time.time() where the store runs, or PostgreSQL's now). */
@@ -76,10 +94,21 @@ byte luntil;
 /* The fence: the highest generation accepted (fences table). */
 byte fence;
 
+#ifdef ORDER_GENERATION
+/* The job's in-flight records (inflight table), one per admitted write: which turn
+   may have a write at the upstream, of which generation, and until when. */
+/* A writer's records live at once: the write it has going, one timed out in the
+   last tick, one a crashed proxy dropped; WORKERS = 1 when ordered by generation. */
+#define RECORDS 6
+byte rholder[RECORDS];                   /* 0: none */
+byte rexpires[RECORDS];
+byte rgen[RECORDS];
+#else
 /* The job's in-flight record (inflight table): which turn may have a write at
    the upstream, and until when. */
 byte rholder;                            /* 0: none */
 byte rexpires;
+#endif
 
 /* The job's idempotency keys (idempotency_keys table). */
 mtype = { KNONE, KIN, KDONE, KUNKNOWN };
@@ -88,17 +117,20 @@ byte kgen[KEYS];                         /* the fingerprint: the generation that
 byte kholder[KEYS];                      /* the turn that took it */
 
 /* The wire between the proxies and the upstream: a bag, not a queue. */
-bool mfull[6];
-byte mgen[6];
-byte mkey[6];
-byte mdead[6];                           /* the upstream applies it only before then */
-byte mturn[6];
+bool mfull[8];
+byte mgen[8];
+byte mkey[8];
+byte mdead[8];                           /* the upstream applies it only before then */
+byte mturn[8];
 
 /* Each proxy process: a crash and restart is a new epoch, its memory gone. */
 byte epoch[PROXIES];
 
-/* The answer to each worker's write, as its proxy got it: the turn it answers. */
-byte answer[WORKERS];
+/* The answer to each writer's write, as its proxy got it: the turn it answers.
+   Writer w + j * WORKERS is worker w's j-th. */
+byte answer[WORKERS * WRITERS];
+/* The generation each worker was last given, which its writers write with. */
+byte wgen[WORKERS];
 
 /* Ghosts: what happened, for the properties. Nothing above reads them. */
 byte applied;                            /* highest generation the upstream applied */
@@ -108,11 +140,64 @@ bool kapplied[KEYS];                     /* the upstream applied this key's writ
 byte bgen[WORKERS];                      /* the lease a worker was told it holds ... */
 byte buntil[WORKERS];                    /* ... until then, on the store's clock */
 
+#ifdef ORDER_GENERATION
+#define live(i) (rholder[i] != 0 && rexpires[i] > now)
+#define live_record (live(0) || live(1) || live(2) || live(3) || live(4) || live(5))
+#ifdef GEN_OVERTAKE
+/* the bug: only a write of a newer generation would hold one back */
+#define way(i, t, g) (live(i) && rholder[i] != t && rgen[i] > g)
+#else
+#define way(i, t, g) (live(i) && rholder[i] != t && rgen[i] != g)
+#endif
+#define in_way(t, g) (way(0, t, g) || way(1, t, g) || way(2, t, g) || way(3, t, g) \
+	|| way(4, t, g) || way(5, t, g))
+#define holds(t) (rholder[0] == t || rholder[1] == t || rholder[2] == t || rholder[3] == t \
+	|| rholder[4] == t || rholder[5] == t)
+#define crashed_record (rholder[0] == CRASHED || rholder[1] == CRASHED \
+	|| rholder[2] == CRASHED || rholder[3] == CRASHED || rholder[4] == CRASHED \
+	|| rholder[5] == CRASHED)
+#define take(t, g) \
+	v = 0; \
+	do \
+	:: v < RECORDS && rholder[v] != t && live(v) -> v++ \
+	:: else -> break \
+	od; \
+	assert(v < RECORDS); \
+	rholder[v] = t; rexpires[v] = now + HOLD; rgen[v] = g; v = 0
+#define give_back(t) \
+	for (v : 0 .. RECORDS - 1) { \
+		if \
+		:: rholder[v] == t -> rholder[v] = 0; rexpires[v] = 0; rgen[v] = 0 \
+		:: else \
+		fi \
+	} \
+	v = 0
+#define hold_unknown(t) \
+	for (v : 0 .. RECORDS - 1) { \
+		if \
+		:: rholder[v] == t -> rexpires[v] = (now + QUAR > rexpires[v] -> now + QUAR : rexpires[v]) \
+		:: else \
+		fi \
+	} \
+	v = 0
+#define record_until rexpires[0]
+#else
 #define live_record (rholder != 0 && rexpires > now)
+#define in_way(t, g) (live_record && rholder != t)
+#define holds(t) (rholder == t)
+#define crashed_record (rholder == CRASHED)
+#define take(t, g) rholder = t; rexpires = now + HOLD
+#define give_back(t) if :: rholder == t -> rholder = 0; rexpires = 0 :: else fi
+#define hold_unknown(t) \
+	if \
+	:: rholder == t -> rexpires = (now + QUAR > rexpires -> now + QUAR : rexpires) \
+	:: else \
+	fi
+#define record_until rexpires
+#endif
 #define lease_live(g) (lgen == (g) && lstate == HELD && now < luntil)
 #define forget(k) kstate[k] = KNONE; kgen[k] = 0; kholder[k] = 0
 #define drop(i) mfull[i] = false; mgen[i] = 0; mkey[i] = 0; mdead[i] = 0; mturn[i] = 0
-#define give_back(t) if :: rholder == t -> rholder = 0; rexpires = 0 :: else fi
 
 /* A turn names one attempt at a write, unlike any other the store or the wire
    still holds (fenceproxy.fence.fencing._new_turn: a process prefix and a counter).
@@ -122,8 +207,8 @@ byte buntil[WORKERS];                    /* ... until then, on the store's clock
 #define new_turn(w, t) \
 	t = 1 + (w) * TURNS; \
 	do \
-	:: t == rholder || t == mturn[0] || t == mturn[1] || t == mturn[2] \
-	   || t == mturn[3] || t == mturn[4] || t == mturn[5] -> t++ \
+	:: holds(t) || t == mturn[0] || t == mturn[1] || t == mturn[2] || t == mturn[3] \
+	   || t == mturn[4] || t == mturn[5] || t == mturn[6] || t == mturn[7] -> t++ \
 	:: else -> break \
 	od; \
 	assert(t <= (w + 1) * TURNS)
@@ -169,6 +254,14 @@ end:	do
 			:: else
 			fi
 		}
+#ifdef ORDER_GENERATION
+		for (i : 0 .. RECORDS - 1) {
+			if
+			:: rholder[i] != 0 && rexpires[i] <= now -> rholder[i] = 0; rexpires[i] = 0; rgen[i] = 0
+			:: else
+			fi
+		}
+#endif
 		i = 0
 	}
 	od
@@ -208,8 +301,10 @@ end:	do
 		:: mfull[3] -> i = 3
 		:: mfull[4] -> i = 4
 		:: mfull[5] -> i = 5
+		:: mfull[6] -> i = 6
+		:: mfull[7] -> i = 7
 		fi;
-		w = (mturn[i] - 1) / TURNS;
+		w = (mturn[i] - 1) / TURNS;     /* the writer */
 		if
 		:: now < mdead[i] ->
 			printf("upstream applies worker %d's write of generation %d\n", w, mgen[i]);
@@ -226,6 +321,155 @@ end:	do
 	od
 }
 
+/* A write through a proxy (Proxy._forward_fenced) by worker who's writer writer,
+   of generation gen; its locals are the caller's. */
+inline write_through(who, writer, gen)
+{
+	atomic {
+		select(k : 0 .. NOKEY);
+		select(p : 0 .. PROXIES - 1);
+		if
+		:: checked = true    /* a lease-checked route */
+		:: checked = false
+		fi;
+		e = epoch[p];
+		answer[writer] = 0;
+		new_turn(writer, t);
+		if
+		:: k == NOKEY -> printf("worker %d sends a write of generation %d to proxy %d\n", who, gen, p)
+		:: else -> printf("worker %d sends a write of generation %d with key %d to proxy %d\n",
+			who, gen, k, p)
+		fi
+	};
+admit:		/* Store.admit: the key, the fence, the lease and the record, in one transaction */
+	atomic {
+		if
+		:: epoch[p] != e -> goto done
+		:: else
+		fi;
+		if   /* idempotency-key-reused, duplicate-in-flight, -outcome-unknown, a replay */
+		:: k != NOKEY && kstate[k] != KNONE ->
+			printf("  refused or replayed: key %d is on record\n", k);
+			goto done
+		:: else
+		fi;
+#ifndef FENCE_AFTER_FORWARD
+		if
+		:: gen < fence -> printf("  refused: stale-generation, the fence is %d\n", fence); goto done
+		:: else
+		fi;
+#endif
+#ifndef NO_LEASE_CHECK
+		if
+		:: checked && !lease_live(gen) -> printf("  refused: lease-not-live\n"); goto done
+		:: else
+		fi;
+#endif
+		if
+		:: in_way(t, gen) ->
+			/* busy: only a write that took a record holds its job */
+			assert(!crashed_record);
+			if
+			:: goto admit        /* polls again, up to the route's timeout */
+			:: printf("  refused: job-quarantined, the record holds until %d\n", record_until);
+			   goto done
+			fi
+		:: else
+		fi;
+		/* a lease-checked route admits only the holder of a live lease */
+		assert(!checked || lease_live(gen));
+		take(t, gen);
+#ifndef FENCE_AFTER_FORWARD
+		fence = (gen > fence -> gen : fence);
+#endif
+		if
+		:: k != NOKEY -> kstate[k] = KIN; kgen[k] = gen; kholder[k] = t
+		:: else
+		fi;
+		printf("  admitted; its record holds until %d\n", now + HOLD);
+		at = now
+	};
+	/* Sent only within SLACK of the admission: a proxy that stalled gives it back. */
+	atomic {
+		if
+		:: epoch[p] != e -> goto done
+#ifndef NO_SEND_DEADLINE
+		:: now > at + SLACK ->
+			printf("  proxy %d stalled: worker %d's write is given back, not sent\n", p, who);
+			if
+			:: k != NOKEY && kstate[k] == KIN && kholder[k] == t -> forget(k)
+			:: else
+			fi;
+			give_back(t);
+			goto done
+#endif
+		:: else ->
+			v = 0;
+			do
+			:: mfull[v] -> v++
+			:: else -> break
+			od;
+			assert(v < SLOTS);
+			mfull[v] = true; mgen[v] = gen; mkey[v] = k; mturn[v] = t;
+			mdead[v] = now + TIMEOUT + QUAR;
+			printf("  proxy %d forwards worker %d's write\n", p, who);
+			at = now;    /* from here on: when it was sent */
+#ifdef EARLY_RELEASE
+			give_back(t);
+#endif
+			v = 0
+		fi
+	};
+	/* The answer, or the route's timeout (which the bounded clock may never reach:
+	   waiting here at the end of time is a valid end). */
+end_answer:
+	if
+	:: epoch[p] != e -> goto done
+	:: atomic {
+		epoch[p] == e && answer[writer] == t ->
+		/* the key settles first, then the record is given back */
+		if
+		:: k != NOKEY && kstate[k] == KIN && kholder[k] == t -> kstate[k] = KDONE
+		:: else
+		fi;
+#ifdef FENCE_AFTER_FORWARD
+		fence = (gen > fence -> gen : fence);
+#endif
+		give_back(t);
+		printf("  worker %d's write is answered\n", who);
+		goto done
+	   }
+	:: atomic {
+		epoch[p] == e && now >= at + TIMEOUT ->
+		/* outcome unknown: the key says so, the record stays for QUAR */
+		if
+		:: k != NOKEY && kstate[k] == KIN && kholder[k] == t ->
+#ifdef KEY_FORGET_ON_TIMEOUT
+			forget(k)
+#else
+			kstate[k] = KUNKNOWN
+#endif
+		:: else
+		fi;
+		hold_unknown(t);
+#ifdef CLOSE_NOT_ABORT
+		/* closed, not aborted: the rest of the body is flushed on, and the
+		   upstream may have the request whole at any later time */
+		for (v : 0 .. SLOTS - 1) {
+			if
+			:: mfull[v] && mturn[v] == t -> mdead[v] = MAXT + 2
+			:: else
+			fi
+		}
+		v = 0;
+#endif
+		printf("  worker %d's write timed out: outcome unknown\n", who);
+		goto done
+	   }
+	fi;
+done:		atomic { k = 0; p = 0; e = 0; t = 0; at = 0; checked = false; answer[writer] = 0 }
+}
+
 proctype Worker(byte w)
 {
 	byte g;                  /* the generation it was last given */
@@ -233,6 +477,13 @@ proctype Worker(byte w)
 	bool checked;
 
 end:	do
+#ifdef EXTERNAL_LEASES
+	:: atomic {              /* a generation from a lease service of the workers' own */
+		issued < MAXGEN ->
+		issued++; g = issued; wgen[w] = g;
+		printf("worker %d is given generation %d elsewhere\n", w, g)
+	}
+#else
 	:: atomic {              /* claim: leasing.claim and after_writes, in Store.change_lease */
 		if
 		:: lstate == COMPLETED -> printf("worker %d: claim refused, job-completed\n", w)
@@ -254,13 +505,14 @@ end:	do
 				claimed = ng;
 				printf("worker %d claims generation %d, until %d\n", w, ng, luntil);
 				exclusive(w);
-				g = ng; bgen[w] = g; buntil[w] = luntil
+				g = ng; wgen[w] = g; bgen[w] = g; buntil[w] = luntil
 			:: else
 			fi;
 			ng = 0
 		fi;
 		v = 0
 	}
+#endif
 	:: g > 0 -> atomic {     /* renew: leasing.renew */
 		if
 #ifdef RENEW_NO_GEN_CHECK
@@ -290,153 +542,23 @@ end:	do
 		fi;
 		bgen[w] = 0; buntil[w] = 0
 	}
-	:: g > 0 ->              /* a write through a proxy: Proxy._forward_fenced */
-		atomic {
-			select(k : 0 .. NOKEY);
-			select(p : 0 .. PROXIES - 1);
-			if
-			:: checked = true    /* a lease-checked route */
-			:: checked = false
-			fi;
-			e = epoch[p];
-			answer[w] = 0;
-			new_turn(w, t);
-			if
-			:: k == NOKEY -> printf("worker %d sends a write of generation %d to proxy %d\n", w, g, p)
-			:: else -> printf("worker %d sends a write of generation %d with key %d to proxy %d\n",
-				w, g, k, p)
-			fi
-		};
-admit:		/* Store.admit: the key, the fence, the lease and the record, in one transaction */
-		atomic {
-			if
-			:: epoch[p] != e -> goto done
-			:: else
-			fi;
-			if   /* idempotency-key-reused, duplicate-in-flight, -outcome-unknown, a replay */
-			:: k != NOKEY && kstate[k] != KNONE ->
-				printf("  refused or replayed: key %d is on record\n", k);
-				goto done
-			:: else
-			fi;
-#ifndef FENCE_AFTER_FORWARD
-			if
-			:: g < fence -> printf("  refused: stale-generation, the fence is %d\n", fence); goto done
-			:: else
-			fi;
-#endif
-#ifndef NO_LEASE_CHECK
-			if
-			:: checked && !lease_live(g) -> printf("  refused: lease-not-live\n"); goto done
-			:: else
-			fi;
-#endif
-			if
-			:: live_record && rholder != t ->
-				/* busy: only a write that took the record holds its job */
-				assert(rholder != CRASHED);
-				if
-				:: goto admit        /* polls again, up to the route's timeout */
-				:: printf("  refused: job-quarantined, the record holds until %d\n", rexpires);
-				   goto done
-				fi
-			:: else
-			fi;
-			/* a lease-checked route admits only the holder of a live lease */
-			assert(!checked || lease_live(g));
-			rholder = t; rexpires = now + HOLD;
-#ifndef FENCE_AFTER_FORWARD
-			fence = (g > fence -> g : fence);
-#endif
-			if
-			:: k != NOKEY -> kstate[k] = KIN; kgen[k] = g; kholder[k] = t
-			:: else
-			fi;
-			printf("  admitted; the job's record holds until %d\n", rexpires);
-			at = now
-		};
-		/* Sent only within SLACK of the admission: a proxy that stalled gives it back. */
-		atomic {
-			if
-			:: epoch[p] != e -> goto done
-#ifndef NO_SEND_DEADLINE
-			:: now > at + SLACK ->
-				printf("  proxy %d stalled: worker %d's write is given back, not sent\n", p, w);
-				if
-				:: k != NOKEY && kstate[k] == KIN && kholder[k] == t -> forget(k)
-				:: else
-				fi;
-				give_back(t);
-				goto done
-#endif
-			:: else ->
-				v = 0;
-				do
-				:: mfull[v] -> v++
-				:: else -> break
-				od;
-				assert(v < SLOTS);
-				mfull[v] = true; mgen[v] = g; mkey[v] = k; mturn[v] = t;
-				mdead[v] = now + TIMEOUT + QUAR;
-				printf("  proxy %d forwards worker %d's write\n", p, w);
-				at = now;    /* from here on: when it was sent */
-#ifdef EARLY_RELEASE
-				give_back(t);
-#endif
-				v = 0
-			fi
-		};
-		/* The answer, or the route's timeout. */
-		if
-		:: epoch[p] != e -> goto done
-		:: atomic {
-			epoch[p] == e && answer[w] == t ->
-			/* the key settles first, then the record is given back */
-			if
-			:: k != NOKEY && kstate[k] == KIN && kholder[k] == t -> kstate[k] = KDONE
-			:: else
-			fi;
-#ifdef FENCE_AFTER_FORWARD
-			fence = (g > fence -> g : fence);
-#endif
-			give_back(t);
-			printf("  worker %d's write is answered\n", w);
-			goto done
-		   }
-		:: atomic {
-			epoch[p] == e && now >= at + TIMEOUT ->
-			/* outcome unknown: the key says so, the record stays for QUAR */
-			if
-			:: k != NOKEY && kstate[k] == KIN && kholder[k] == t ->
-#ifdef KEY_FORGET_ON_TIMEOUT
-				forget(k)
-#else
-				kstate[k] = KUNKNOWN
-#endif
-			:: else
-			fi;
-			if
-			:: rholder == t -> rexpires = (now + QUAR > rexpires -> now + QUAR : rexpires)
-			:: else
-			fi;
-#ifdef CLOSE_NOT_ABORT
-			/* closed, not aborted: the rest of the body is flushed on, and the
-			   upstream may have the request whole at any later time */
-			for (v : 0 .. SLOTS - 1) {
-				if
-				:: mfull[v] && mturn[v] == t -> mdead[v] = MAXT + 2
-				:: else
-				fi
-			}
-			v = 0;
-#endif
-			printf("  worker %d's write timed out: outcome unknown\n", w);
-			goto done
-		   }
-		fi;
-done:		atomic { k = 0; p = 0; e = 0; t = 0; at = 0; checked = false; answer[w] = 0 }
+	:: g > 0 -> write_through(w, w, g)
 	od
 }
+
+#ifdef ORDER_GENERATION
+/* Worker w's second writer: its writes go alongside the worker's own, with the
+   generation the worker was last given. */
+proctype Writer(byte w)
+{
+	byte g, k, p, e, t, at, v;
+	bool checked;
+
+end:	do
+	:: wgen[w] > 0 -> g = wgen[w]; write_through(w, w + WORKERS, g); g = 0
+	od
+}
+#endif
 
 init
 {
@@ -448,5 +570,10 @@ init
 		for (i : 0 .. WORKERS - 1) {
 			run Worker(i)
 		}
+#ifdef ORDER_GENERATION
+		for (i : 0 .. WORKERS - 1) {
+			run Writer(i)
+		}
+#endif
 	}
 }
