@@ -76,6 +76,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     serve.add_argument(
         "--admin", metavar="HOST:PORT", help="override the file's admin listener ('off' for none)"
     )
+    serve.add_argument(
+        "--workers", metavar="N", help="override the file's workers (a number, or auto)"
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     serve.add_argument(
         "--access-log",
@@ -154,32 +157,45 @@ def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Co
 
     overrides = {
         key: value
-        for key in ("listen", "store", "admin")
+        for key in ("listen", "store", "admin", "workers")
         if (value := getattr(args, key, None)) is not None
     }
     return load_config(args.config, overrides, keep)
 
 
-def _serve(config: Config, args: argparse.Namespace) -> None:
+def _serve(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .config import parse_listen
     from .server.app import notify_systemd, serve
+    from .server.workers import Seat, supervise, worker_argv
     from .store.url import parse_store_url
 
     logging.basicConfig(level=args.log_level, handlers=[logging.StreamHandler()])
     configure_logging(config.log_format, config.log_levels)
     host, port = parse_listen(config.listen)
     loop, loop_name = _event_loop(args.loop)
+    seat = Seat.from_environment()
+    if seat is None and config.workers > 1:
+        with asyncio.Runner(loop_factory=loop) as runner:
+            code = runner.run(
+                supervise(config, worker_argv(argv), lambda: notify_systemd("READY=1"))
+            )
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as below
+        return code
 
     def listening() -> None:
         server_log.info(
-            "fenceproxy on http://%s:%d, %d route(s), store: %s, %s",
+            "fenceproxy on http://%s:%d, %d route(s), store: %s, %s%s",
             host,
             port,
             len(config.routes),
             parse_store_url(config.store).describe(),
             loop_name,
+            "" if seat is None else f", worker {seat.index} of {config.workers}",
         )
-        notify_systemd("READY=1")
+        if seat is None:
+            notify_systemd("READY=1")
+        else:
+            seat.ready()
 
     with asyncio.Runner(loop_factory=loop) as runner:
         runner.run(
@@ -188,11 +204,13 @@ def _serve(config: Config, args: argparse.Namespace) -> None:
                 access_log=access_log if args.access_log else None,
                 ready=listening,
                 reload=(args.config, lambda keep: _load(args, keep)),
+                seat=seat,
             )
         )
     # The loop gave SIGHUP back to its default, which ends the process: a reload
     # asked for while it shuts down must not turn a clean exit into a killed one.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return 0
 
 
 def _event_loop(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], str]:
@@ -311,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(f"{where}: schema version {before} -> {after}")
             return 0
-        _serve(config, args)
+        return _serve(config, args, argv)
     except ConfigError as exc:
         print(f"fenceproxy: config error\n{exc}", file=sys.stderr)
         return 2

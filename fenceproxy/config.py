@@ -387,6 +387,9 @@ class Config(_Model):
     admin: str | None = "127.0.0.1:9901"
     """The admin listener (/healthz, /readyz, /metrics); ``false`` for none."""
     store: str = "sqlite:///fenceproxy.db"
+    workers: int = Field(default=1, ge=1, le=256)
+    """Processes serving ``listen`` together (SO_REUSEPORT), each with its own event
+    loop, all on the one store; ``auto``: one per core this process may run on."""
     idempotency: IdempotencySpec = IdempotencySpec()
     leases: LeasesSpec | None = None
     """The lease API; off unless the section is present (``leases: {}`` for defaults)."""
@@ -431,6 +434,29 @@ class Config(_Model):
     def _store(cls, value: str) -> str:
         parse_store_url(value)
         return value
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        if value == "auto":
+            return len(os.sched_getaffinity(0))
+        if isinstance(value, str) and value.isdigit():  # --workers 2
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("expected a number of processes, such as 2, or auto (one per core)")
+        return value
+
+    @model_validator(mode="after")
+    def _workers_share_a_store(self) -> Config:
+        if self.workers > 1 and parse_store_url(self.store).backend == "sqlite":
+            raise ValueError(
+                f"workers: {self.workers} needs a PostgreSQL store: a SQLite file is opened "
+                "by one process only (in exclusive locking mode, which makes the store's "
+                "cache of fences authoritative), and SQLite commits one transaction at a "
+                "time, so more processes on one file would wait on its lock, not write "
+                "faster; use workers: 1 with SQLite"
+            )
+        return self
 
     @field_validator("trusted_proxies")
     @classmethod

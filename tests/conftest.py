@@ -134,6 +134,14 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+async def database(postgres: PostgresServer) -> str:
+    """The session's PostgreSQL database, emptied: for proxies run as processes."""
+    url = postgres.url("fenceproxy")
+    await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
+    return url
+
+
+@pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "fences.db"
 

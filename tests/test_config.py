@@ -493,7 +493,7 @@ def test_bad_override_is_reported_as_the_option(
 def no_serve(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
     """Replace the server start with a recorder: the tests never bind a port."""
     served: list[Config] = []
-    monkeypatch.setattr(cli, "_serve", lambda config, log_level: served.append(config))
+    monkeypatch.setattr(cli, "_serve", lambda config, *_: served.append(config) or 0)
     return served
 
 

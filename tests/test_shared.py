@@ -16,16 +16,9 @@ from aiohttp import web
 
 from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, free_port
 
-from .postgres import PostgresServer, sql
+from .postgres import PostgresServer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def database(postgres: PostgresServer) -> str:
-    url = postgres.url("fenceproxy")
-    await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
-    return url
 
 
 @pytest.fixture

@@ -48,6 +48,7 @@ from ..store.url import parse_store_url
 from .lease_api import LeaseService
 from .proxy import Proxy, ProxySettings
 from .turn import JobLocks
+from .workers import Seat
 
 __all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 
@@ -58,6 +59,7 @@ RESTART_ONLY = (
     "listen",
     "admin",
     "store",
+    "workers",
     "idempotency.ttl",
     "shutdown_timeout",
     "limits.body_temp_path",
@@ -331,6 +333,7 @@ async def serve(
     access_log: logging.Logger | None = None,
     ready: Callable[[], object] = lambda: None,
     reload: tuple[str, Reader] | None = None,
+    seat: Seat | None = None,
 ) -> None:
     """Run the proxy of ``config`` until SIGINT or SIGTERM, then stop taking new
     connections, let requests in flight finish for up to ``shutdown_timeout``, and
@@ -339,8 +342,11 @@ async def serve(
 
     With ``reload`` (the config file's name, and what reads it again), SIGHUP
     reloads the config (:func:`_reload`); one that comes while it starts is done
-    once it serves."""
-    _warn_open_lease_api(config)
+    once it serves. With ``seat`` it is one of several workers
+    (:mod:`fenceproxy.server.workers`): it shares its port with the others, and
+    serves its admin application on the seat's own socket for the supervisor."""
+    if seat is None or seat.index == 0:
+        _warn_open_lease_api(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -370,8 +376,10 @@ async def serve(
         await runner.setup()
         await admin.setup()
         try:
-            await _listen(runner, config.listen)
-            if config.admin is not None:
+            await _listen(runner, config.listen, reuse_port=seat is not None)
+            if seat is not None:
+                await web.UnixSite(admin, seat.admin_socket).start()
+            elif config.admin is not None:
                 await _listen(admin, config.admin)
             ready()
             serving.append(proxy)
@@ -458,10 +466,10 @@ def notify_systemd(state: str) -> None:
         sock.sendall(state.encode())
 
 
-async def _listen(runner: web.BaseRunner, address: str) -> None:
+async def _listen(runner: web.BaseRunner, address: str, *, reuse_port: bool = False) -> None:
     host, port = parse_listen(address)
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         raise ListenError(f"cannot listen on {address}: {reason}") from None

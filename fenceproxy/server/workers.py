@@ -1,0 +1,321 @@
+"""``workers: N``: N processes serving one port, each with its own event loop, all
+on the one store, and the supervisor that runs them.
+
+The supervisor is the process ``fenceproxy serve`` started. It runs each worker as
+``fenceproxy serve`` again, with the same arguments and a seat (:class:`Seat`) in
+its environment; every worker binds the listener with ``SO_REUSEPORT``, so the
+kernel spreads new connections across them. Nothing that a guarantee rests on is
+shared between workers but the store, as between proxies on several machines.
+
+The supervisor:
+
+* is ready (and tells systemd so) once every worker listens; a worker that cannot
+  start (its port or store) ends the start, with its own error printed;
+* passes SIGHUP on to every worker, each of which reloads the config file itself;
+* on SIGTERM or SIGINT passes SIGTERM on and waits for every worker to drain (each
+  within ``shutdown_timeout``), then exits;
+* starts a worker that died again (a second later if it died within
+  ``_QUICK_DEATH`` of starting), so the port keeps its N processes;
+* serves the admin listener: ``/metrics`` is every worker's, each sample labelled
+  ``worker="i"``; ``/healthz`` and ``/readyz`` answer 200 only when every worker
+  does; everything else (the page, ``/jobs``, ``/events``) is worker 0's, whose
+  views of the store are every worker's, and ``?worker=i`` asks another.
+
+A worker dies with its supervisor (``PR_SET_PDEATHSIG``): a supervisor killed with
+``kill -9`` leaves no worker holding the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..config import Config, parse_listen
+from ..errors import ListenError, ProxyBusy, RequestMalformed
+from ..http.edge import PROBLEM_JSON, problem_response
+from ..log import server_log
+
+__all__ = ["Seat", "merge_metrics", "supervise", "worker_argv"]
+
+_SEAT = "FENCEPROXY_WORKER"
+"""The environment variable that makes ``serve`` a worker: ``INDEX:READY_FD:SOCKET``."""
+_QUICK_DEATH = 5.0
+_PR_SET_PDEATHSIG = 1
+# How long the supervisor waits for a worker's admin answer.
+_ASK_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where one worker sits: its number, the pipe it says it is ready on, and the
+    Unix socket it serves its admin application on for the supervisor."""
+
+    index: int
+    ready_fd: int
+    admin_socket: str
+
+    @classmethod
+    def from_environment(cls) -> Seat | None:
+        """The seat the supervisor gave this process, if it is a worker."""
+        value = os.environ.get(_SEAT)
+        if value is None:
+            return None
+        index, ready_fd, admin_socket = value.split(":", 2)
+        return cls(int(index), int(ready_fd), admin_socket)
+
+    def ready(self) -> None:
+        """Tell the supervisor this worker listens."""
+        with contextlib.suppress(OSError):
+            os.write(self.ready_fd, b"ready\n")
+            os.close(self.ready_fd)
+
+
+class _Worker:
+    """One worker process, started again when it dies."""
+
+    def __init__(self, index: int, argv: Sequence[str], folder: Path) -> None:
+        self.index = index
+        self.argv = list(argv)
+        self.socket = str(folder / f"worker-{index}.sock")
+        self.process: asyncio.subprocess.Process | None = None
+        self.started = 0.0
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> bool:
+        """Start it and wait until it listens; False when it exited first."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+        read, write = os.pipe()
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        env[_SEAT] = f"{self.index}:{write}:{self.socket}"
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv, env=env, pass_fds=(write,), preexec_fn=_die_with_parent
+            )
+        finally:
+            os.close(write)
+        self.started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        with os.fdopen(read, "rb") as pipe:
+            said = await loop.run_in_executor(None, pipe.readline)
+        return said == b"ready\n"
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signum)
+
+    async def ask(self, path: str) -> tuple[int, bytes, str]:
+        """GET ``path`` of its admin application: status, body, content type."""
+        if self.session is None or self.session.closed:
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.socket),
+                timeout=aiohttp.ClientTimeout(total=_ASK_TIMEOUT),
+            )
+        async with self.session.get(f"http://worker{path}") as answer:
+            return answer.status, await answer.read(), answer.headers.get("Content-Type", "")
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+def _die_with_parent() -> None:
+    """In the worker, before it runs: SIGTERM it when the supervisor dies."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(libc_name).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], object]) -> int:
+    """Run ``config.workers`` workers, each ``argv`` (the command that started this
+    process) with a seat, until SIGTERM or SIGINT; the exit code: 0 when every worker
+    stopped cleanly, 2 when one could not start."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    folder = Path(tempfile.mkdtemp(prefix="fenceproxy-workers-"))
+    workers = [_Worker(i, argv, folder) for i in range(config.workers)]
+
+    def hup() -> None:
+        for worker in workers:
+            worker.signal(signal.SIGHUP)
+
+    loop.add_signal_handler(signal.SIGHUP, hup)
+    admin: web.AppRunner | None = None
+    try:
+        started = await asyncio.gather(*(w.start() for w in workers))
+        if not all(started):
+            server_log.error("a worker could not start; stopping the others")
+            return 2
+        if config.admin is not None:
+            admin = web.AppRunner(_admin_app(workers), access_log=None, handle_signals=False)
+            await admin.setup()
+            host, port = parse_listen(config.admin)
+            try:
+                await web.TCPSite(admin, host, port).start()
+            except OSError as exc:
+                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+                raise ListenError(f"cannot listen on {config.admin}: {reason}") from None
+        server_log.info("%d workers serve %s", len(workers), config.listen)
+        ready()
+        return await _watch(workers, stop)
+    finally:
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        for worker in workers:
+            if worker.process is not None:
+                await worker.process.wait()
+            await worker.close()
+        if admin is not None:
+            await admin.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _watch(workers: list[_Worker], stop: asyncio.Event) -> int:
+    """Start again each worker that dies, until ``stop``; then the exit code."""
+    stopping = asyncio.ensure_future(stop.wait())
+    while True:
+        exits = {
+            asyncio.ensure_future(w.process.wait()): w for w in workers if w.process is not None
+        }
+        done, _ = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in exits:
+            waiting.cancel()
+        if stopping in done:
+            break
+        for exited in done:
+            worker = exits[exited]
+            assert worker.process is not None
+            server_log.error(
+                "worker %d exited with %s; starting it again",
+                worker.index,
+                _how(worker.process.returncode),
+            )
+            if time.monotonic() - worker.started < _QUICK_DEATH:
+                await asyncio.sleep(1.0)
+            if not await worker.start():
+                server_log.error("worker %d could not start again; stopping", worker.index)
+                return 1
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    codes = [await w.process.wait() for w in workers if w.process is not None]
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def _how(code: int | None) -> str:
+    if code is not None and code < 0:
+        return signal.Signals(-code).name
+    return f"code {code}"
+
+
+# -- the admin listener ---------------------------------------------------------
+
+
+def merge_metrics(pages: Iterable[tuple[int, str]]) -> bytes:
+    """Each worker's ``/metrics`` page, ``(index, text)``, as one page: every sample
+    labelled ``worker="index"``, each family's help and type said once."""
+    families: dict[str, Metric] = {}
+    for index, text in pages:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            for sample in family.samples:
+                labels = {**sample.labels, "worker": str(index)}
+                merged.samples.append(sample._replace(labels=labels))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector of families already gathered."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def _admin_app(workers: list[_Worker]) -> web.Application:
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        answers = await asyncio.gather(*(w.ask("/metrics") for w in workers))
+        pages = [(w.index, body.decode()) for w, (_, body, _) in zip(workers, answers, strict=True)]
+        return web.Response(
+            body=merge_metrics(pages), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def every(request: web.Request) -> web.StreamResponse:
+        """200 when every worker answers 200: worker 0's answer; else the first other."""
+        path = request.path_qs
+        answers = await asyncio.gather(*(_ask(w, path) for w in workers))
+        chosen = next(((s, b, t) for s, b, t in answers if s != 200), answers[0])
+        return _answer(*chosen)
+
+    async def one(request: web.Request) -> web.StreamResponse:
+        query = request.rel_url.query
+        which = query.get("worker", "0")
+        if not which.isdigit() or int(which) >= len(workers):
+            return problem_response(
+                RequestMalformed(f"?worker= takes a worker's number, 0 to {len(workers) - 1}")
+            )
+        rest = query.copy()
+        rest.popall("worker", None)
+        path = request.rel_url.with_query(rest)
+        return _answer(*await _ask(workers[int(which)], str(path)))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", every)
+    app.router.add_get("/readyz", every)
+    app.router.add_route("*", "/{tail:.*}", one)
+    return app
+
+
+async def _ask(worker: _Worker, path: str) -> tuple[int, bytes, str]:
+    try:
+        return await worker.ask(path)
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        busy = ProxyBusy(
+            f"worker {worker.index} does not answer ({exc or type(exc).__name__}): it is "
+            "starting or stopping",
+            retry_after=1.0,
+        )
+        return busy.status, json.dumps(busy.problem()).encode(), PROBLEM_JSON
+
+
+def _answer(status: int, body: bytes, content_type: str) -> web.Response:
+    response = web.Response(status=status, body=body, headers={"Content-Type": content_type})
+    if status == 503:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
+def worker_argv(args: Sequence[str]) -> list[str]:
+    """The command that runs ``fenceproxy`` with ``args`` again, as a worker: this
+    interpreter, ``-m fenceproxy``."""
+    return [sys.executable, "-m", "fenceproxy", *args]

@@ -1,0 +1,200 @@
+"""``workers: N``: real worker processes sharing one port (SO_REUSEPORT) and one
+PostgreSQL store, reloaded, stopped and killed with real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fenceproxy.config import parse_config
+from fenceproxy.errors import ConfigError
+from fenceproxy.server.workers import merge_metrics
+from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
+
+# Connections opened one after another land on one worker or the other as the
+# kernel hashes them; this many leave each worker unvisited with odds of 2^-39.
+CONNECTIONS = 40
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(path: Path, database: str, upstream: RecordingUpstream, prefix: str) -> None:
+    path.write_text(
+        f"store: '{database}?pool=2'\nworkers: 2\nleases: {{}}\nshutdown_timeout: 5s\n"
+        f"routes:\n  - {{name: billing, path: {prefix}, upstream: '{upstream.url}'}}\n"
+    )
+
+
+@pytest.fixture
+async def supervisor(
+    tmp_path: Path, database: str, upstream: RecordingUpstream
+) -> AsyncIterator[ProxyProcess]:
+    config = tmp_path / "fenceproxy.yaml"
+    write_config(config, database, upstream, "/billing")
+    process = ProxyProcess(config, free_port(), "--log-level", "INFO")
+    await process.start()
+    yield process
+    print(process.output())  # shown when a test fails
+    await process.stop()  # its workers die with it
+
+
+def workers_of(process: ProxyProcess) -> list[int]:
+    """The supervisor's child processes: its workers."""
+    assert process.process is not None
+    pid = process.process.pid
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+async def write(
+    url: str, job: str, generation: int, key: str | None = None, path: str = "/billing/x"
+) -> tuple[int, str]:
+    """One write on a connection of its own: the status and the problem's last word."""
+    headers = {"Fencing-Job": job, "Fencing-Token": str(generation)}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.post(url + path, json={"g": generation}, headers=headers) as response,
+    ):
+        body = await response.json(content_type=None)
+        kind = str(body.get("type", "")).rsplit(":", 1)[-1] if isinstance(body, dict) else ""
+        return response.status, kind
+
+
+async def decisions_by_worker(process: ProxyProcess) -> dict[str, float]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(process.admin_url + "/metrics") as response,
+    ):
+        assert response.status == 200
+        text = await response.text()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "fenceproxy_decisions":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels["outcome"] == "forwarded":
+                    worker = sample.labels["worker"]
+                    counts[worker] = counts.get(worker, 0) + sample.value
+    return counts
+
+
+async def test_two_workers_share_the_port_the_store_and_the_metrics(
+    supervisor: ProxyProcess, upstream: RecordingUpstream
+) -> None:
+    assert len(workers_of(supervisor)) == 2
+    answers = await asyncio.gather(
+        *(write(supervisor.url, f"job-{n}", 1) for n in range(CONNECTIONS))
+    )
+    assert answers == [(200, "")] * CONNECTIONS
+    counts = await decisions_by_worker(supervisor)
+    assert set(counts) == {"0", "1"}, counts  # both served, each labelled
+    assert sum(counts.values()) == CONNECTIONS
+
+    # The store decides, whichever worker a write meets.
+    assert await write(supervisor.url, "shared", 5) == (200, "")
+    stale = await asyncio.gather(*(write(supervisor.url, "shared", 4) for _ in range(20)))
+    assert stale == [(409, "stale-generation")] * 20
+    replays = await asyncio.gather(
+        *(write(supervisor.url, "keyed", 1, key="charge-1") for _ in range(20))
+    )
+    assert {status for status, _ in replays} <= {200, 409}
+    assert [r.job for r in upstream.received].count("keyed") == 1
+
+
+async def test_probes_answer_for_every_worker(supervisor: ProxyProcess) -> None:
+    async with aiohttp.ClientSession() as http:
+        for probe in ("/healthz", "/readyz"):
+            async with http.get(supervisor.admin_url + probe) as response:
+                assert response.status == 200
+        async with http.get(supervisor.admin_url + "/jobs/job-1?worker=1") as response:
+            assert response.status in (200, 404)
+            assert response.content_type.startswith("application/")
+        async with http.get(supervisor.admin_url + "/jobs?worker=7") as response:
+            assert response.status == 400
+            assert (await response.json())["type"].endswith("request-malformed")
+
+
+async def test_sighup_reloads_every_worker(
+    supervisor: ProxyProcess, tmp_path: Path, database: str, upstream: RecordingUpstream
+) -> None:
+    write_config(tmp_path / "fenceproxy.yaml", database, upstream, "/payments")
+    supervisor.signal(signal.SIGHUP)
+    await eventually(lambda: supervisor.output().count("reloaded") >= 2)
+    answers = await asyncio.gather(
+        *(write(supervisor.url, f"r-{n}", 1, path="/payments/x") for n in range(CONNECTIONS))
+    )
+    assert answers == [(200, "")] * CONNECTIONS
+
+
+async def test_a_killed_worker_is_started_again(supervisor: ProxyProcess) -> None:
+    first, second = workers_of(supervisor)
+    os.kill(first, signal.SIGKILL)
+    await eventually(
+        lambda: len(workers_of(supervisor)) == 2 and first not in workers_of(supervisor)
+    )
+    assert second in workers_of(supervisor)
+    await eventually(lambda: "exited with SIGKILL; starting it again" in supervisor.output())
+    await eventually(lambda: supervisor.output().count("fenceproxy on http") >= 3)
+    answers = await asyncio.gather(*(write(supervisor.url, f"k-{n}", 1) for n in range(20)))
+    assert answers == [(200, "")] * 20
+
+
+async def test_sigterm_stops_every_worker_cleanly(supervisor: ProxyProcess) -> None:
+    children = workers_of(supervisor)
+    supervisor.signal(signal.SIGTERM)
+    assert await supervisor.wait() == 0
+    assert not any(alive(pid) for pid in children)
+
+
+async def test_workers_die_with_their_supervisor(supervisor: ProxyProcess) -> None:
+    children = workers_of(supervisor)
+    supervisor.signal(signal.SIGKILL)
+    await supervisor.wait()
+    await eventually(lambda: not any(alive(pid) for pid in children))
+
+
+def test_several_workers_on_sqlite_are_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"store": "sqlite:///f.db", "workers": 2, "leases": {}}, "f.yaml")
+    line = caught.value.lines[0]
+    assert line.startswith("f.yaml: workers: 2 needs a PostgreSQL store")
+    assert "exclusive locking mode" in line
+
+
+def test_workers_auto_is_one_per_core() -> None:
+    store = "postgresql://u@127.0.0.1:5432/db"
+    config = parse_config({"store": store, "workers": "auto", "leases": {}}, "f.yaml")
+    assert config.workers == len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=r"workers: expected a number of processes"):
+        parse_config({"store": store, "workers": "many", "leases": {}}, "f.yaml")
+
+
+def test_merged_metrics_label_every_sample_with_its_worker() -> None:
+    page = (
+        "# HELP fenceproxy_decisions_total Fenced writes\n"
+        "# TYPE fenceproxy_decisions_total counter\n"
+        'fenceproxy_decisions_total{route="a",outcome="forwarded"} %d\n'
+    )
+    merged = merge_metrics([(0, page % 3), (1, page % 4)]).decode()
+    assert merged.count("# TYPE fenceproxy_decisions_total counter") == 1
+    assert 'fenceproxy_decisions_total{outcome="forwarded",route="a",worker="0"} 3.0' in merged
+    assert 'fenceproxy_decisions_total{outcome="forwarded",route="a",worker="1"} 4.0' in merged
