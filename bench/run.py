@@ -191,8 +191,16 @@ class Processes:
         return process
 
     def stop(self) -> None:
+        """SIGTERM, and SIGKILL what is left after 10 s: a process with children of its
+        own (nginx's master, fenceproxy's supervisor) takes them with it only when it
+        may stop them itself."""
         for process in reversed(self.started):
             if process.poll() is None:
+                process.terminate()
+        for process in reversed(self.started):
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
 
