@@ -4,6 +4,7 @@ and the fenced proxy with wrk, and reports every request answered 2xx."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
         assert figure["failed"] == 0, name
         assert figure["cpu_us"] > 0, name
         assert run["peak_rss_mib"] > 0, name
-    assert "fenced req/s >= 0.5x direct" in result.stdout  # the targets are judged
+    # The targets are judged, each a PASS or a MISS, whatever their bound.
+    assert re.search(r"^(PASS|MISS) +fenced req/s >= [0-9.]+x direct: ", result.stdout, re.M)
 
 
 @pytest.mark.timeout(180)
