@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
-from aiohttp import web
 
 from .client import LeaseClient, LeaseRefused
 from .config import parse_config
+from .http.server import Listener
 from .server.app import FenceProxy
 from .testing import RecordingUpstream, free_port
 
@@ -71,10 +71,9 @@ async def run_demo(out: TextIO = sys.stdout, ttl: float = 1.0) -> int:
                 "demo",
             )
             async with FenceProxy(config) as proxy:
-                runner = web.ServerRunner(proxy.server(access_log=None))
-                await runner.setup()
+                listener = Listener(proxy.server())
                 port = free_port()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
+                await listener.listen("127.0.0.1", port)
                 base = f"http://127.0.0.1:{port}"
                 print(f"legacy API (ledger) on {ledger.url}", file=out)
                 print(f"fenceproxy with its lease API on {base}\n", file=out)
@@ -82,7 +81,7 @@ async def run_demo(out: TextIO = sys.stdout, ttl: float = 1.0) -> int:
                     async with aiohttp.ClientSession() as http, LeaseClient(base) as leases:
                         at_b_claim = await _story(t, http, leases, base, ttl, ledger)
                 finally:
-                    await runner.cleanup()
+                    await listener.close()
             print("\nledger of the legacy API:", file=out)
             for n, received in enumerate(ledger.received, 1):
                 print(

@@ -33,8 +33,10 @@ from typing import Any, Self
 from aiohttp import web
 from aiohttp.test_utils import BaseTestServer
 from multidict import CIMultiDictProxy
+from yarl import URL
 
 from . import hdrs
+from .http.server import Listener
 from .server.app import FenceProxy
 
 __all__ = [
@@ -60,10 +62,12 @@ Responder = Callable[[web.Request, "Received"], Awaitable[web.StreamResponse]]
 
 
 class ProxyTestServer(BaseTestServer):
-    """``proxy`` served on loopback: opened when the server starts, closed after it.
+    """``proxy`` served on loopback, for aiohttp's test client: opened when the server
+    starts, closed after it. ``runner`` is its :class:`Listener`, whose ``server`` is
+    the data plane.
 
     It runs as ``fenceproxy serve`` does: a handler is not cancelled when its client
-    leaves (aiohttp's test servers cancel it), unless ``handler_cancellation``."""
+    leaves, unless ``handler_cancellation``."""
 
     def __init__(
         self, proxy: FenceProxy, *, handler_cancellation: bool = False, **kwargs: Any
@@ -72,15 +76,31 @@ class ProxyTestServer(BaseTestServer):
         self.handler_cancellation = handler_cancellation
         super().__init__(host="127.0.0.1", **kwargs)
 
-    async def _make_runner(self, **kwargs: Any) -> web.ServerRunner:
+    async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **_: Any) -> None:
+        if self.runner is not None:
+            return
         await self.proxy.__aenter__()
-        kwargs["handler_cancellation"] = self.handler_cancellation
-        return web.ServerRunner(self.proxy.server(**kwargs))
+        plane = self.proxy.server(handler_cancellation=self.handler_cancellation)
+        listener = Listener(plane, shutdown_timeout=self.proxy.config.shutdown_timeout)
+        await listener.listen(self.host, self.port or 0)
+        self.runner = listener  # type: ignore[assignment]  # not an aiohttp runner
+        self.port = listener.ports[0]
+        self.scheme = self.scheme or "http"
+        self._root = URL(f"{self.scheme}://{self.host}:{self.port}")
+
+    async def _make_runner(self, **kwargs: Any) -> web.ServerRunner:
+        raise NotImplementedError("the proxy's data plane is not an aiohttp server")
 
     async def close(self) -> None:
-        opened = self.started and not self.closed
-        await super().close()
-        if opened:
+        if self.runner is None or self.closed:
+            return
+        listener: Listener = self.runner  # type: ignore[assignment]
+        try:
+            await listener.close()
+        finally:
+            self._root = None
+            self.port = None
+            self._closed = True
             await self.proxy.__aexit__(None, None, None)
 
 

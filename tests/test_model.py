@@ -94,13 +94,15 @@ class Reference:
         return {h: r for h, r in self.records.items() if r[1] > self.now}
 
     @property
-    def record(self) -> tuple[str, str, float] | None:
-        """What an operator is shown: the live record that holds the job longest."""
+    def shown(self) -> list[tuple[str, str, float] | None]:
+        """What an operator may be shown: the live record that holds the job longest,
+        any of them when several hold it as long (two writes of one generation
+        admitted at one instant); None when none is live."""
         live = self.live_records()
         if not live:
-            return None
-        holder = max(live, key=lambda h: live[h][1])
-        return holder, live[holder][0], live[holder][1]
+            return [None]
+        until = max(record[1] for record in live.values())
+        return [(h, r[0], r[1]) for h, r in live.items() if r[1] == until]
 
     def lease_live(self, generation: int) -> bool:
         lease = self.lease
@@ -410,7 +412,7 @@ class Protocol(RuleBasedStateMachine):
         assert (lease and (lease.owner, lease.generation, lease.lease_until, lease.state)) == (
             ref.lease and (ref.lease.owner, ref.lease.generation, ref.lease.until, ref.lease.state)
         )
-        assert view.in_flight == ref.record
+        assert view.in_flight in ref.shown
         assert {k.key: (k.state, k.generation) for k in view.keys} == {
             name: (key.state, key.generation) for name, key in ref.keys.items()
         }

@@ -1,20 +1,22 @@
-"""A lean HTTP/1.1 client for the upstreams, and the one boundary where its failures
-become :class:`~fenceproxy.errors.UpstreamError` (as the table in
-:mod:`fenceproxy.http.aiohttp_client` says).
+"""A lean HTTP/1.1 client for the upstreams, on llhttp (httptools' response parser):
+one pool of keep-alive connections per upstream origin, and the one boundary where
+its failures become :class:`~fenceproxy.errors.UpstreamError` (as the table in
+:mod:`fenceproxy.http.client_errors` says).
 
-One pool of keep-alive connections per upstream origin. A request's head goes out in
-one buffer (with its body when the body is buffered); the answer is parsed by
-aiohttp's own response parser (its C build where installed), the same parser and
-connection protocol aiohttp's ``ClientSession`` uses, without the session's
-per-request machinery (request objects, connector bookkeeping, timer contexts,
-tracing, cookies, redirects).
+A request goes out in one write, its head and (when it is whole) its body; the
+answer's fields are kept as the bytes that came (:attr:`UpstreamResponse.fields`),
+and read as a mapping only when asked. Nothing is built that the proxy does not
+read: no request or response objects of a library, no cookie jar, no redirects, no
+decompression, no tracing.
 
 The client adds nothing the caller did not ask for but ``Host`` (the origin's
 authority unless the caller gives one) and the body's framing, never follows a
 redirect, never decompresses, and never sends a request twice. A connection goes
 back to its pool only once its answer was read to the end and both sides keep it
 open; an answer that is malformed, cut short, timed out or abandoned closes it, and
-so does anything the upstream sends unasked.
+so does anything the upstream sends unasked. The answer to a ``HEAD`` carries no
+body whatever its framing says, and the next exchange on its connection starts
+with a new parser.
 
 What a failure means for a write (``UpstreamError.sent``): only a failure to
 connect is known to have sent nothing. Once a byte of the request may have left,
@@ -41,112 +43,100 @@ import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
+from typing import cast
 
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.http import HttpVersion, RawResponseMessage
-from aiohttp.streams import StreamReader
+import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from ..errors import UpstreamFailed
-from .aiohttp_client import (
-    CONNECT_FAILURES,
-    FAILURES,
-    connect_failure,
-    map_failure,
-    stream_writer,
-)
+from .body import Body, Flow, read_fields
+from .client_errors import CONNECT_FAILURES, FAILURES, connect_failure, map_failure
+from .request import HTTP10, HTTP11, NONE_NAMED, Version, connection_named
 
-__all__ = ["Origin", "UpstreamResponse", "map_failure"]
+__all__ = ["Origin", "UpstreamConnection", "UpstreamResponse", "encode_fields", "map_failure"]
 
-# Methods whose empty body goes without a Content-Length, as aiohttp's client does.
+# Methods whose empty body goes without a Content-Length, as common clients do.
 _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # Idle connections kept per origin, and for how long: less than the common upstream
 # keep-alive timeouts (aiohttp 75 s, nginx 75 s, Node 5 s is the outlier), so a
 # connection is rarely reused at the moment the upstream closes it.
 _IDLE_MAX = 256
 _IDLE_FOR = 4.0
-# The answer's limits: aiohttp's client defaults.
+# The answer's limits.
 _MAX_LINE = 8190
-_MAX_FIELD = 8190
-_MAX_HEADERS = 128
+_MAX_FIELDS = 128
 # SO_LINGER on, for 0 s: close() drops what is unsent and resets the connection.
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 _CLOSE_GRACEFULLY = struct.pack("ii", 0, 0)
+_NO_BODY = frozenset({204, 304})
 
 
-def _linger(conn: ResponseHandler, how: bytes) -> None:
-    transport = conn.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is not None:
-        with contextlib.suppress(OSError):  # already reset by the peer: nothing to send
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, how)
-
-
-def _close(conn: ResponseHandler) -> None:
-    """End a connection whose exchange is over (or that never had one) with a FIN."""
-    _linger(conn, _CLOSE_GRACEFULLY)
-    conn.close()
-
-
-def _abort(conn: ResponseHandler) -> asyncio.Future[None] | None:
-    """Cut a connection mid-exchange: what is unsent is dropped, in the proxy and in
-    the kernel, and the upstream gets a reset. Returns what is done once the socket
-    is closed (on the loop's next turn), if it is not already."""
-    closed = conn.closed
-    conn.abort()
-    return closed
-
-
-async def _gone(conn: ResponseHandler) -> None:
-    """Abort ``conn`` and return once its socket is closed: nothing more of the
-    exchange can reach the upstream. A cancellation meanwhile is raised, the
-    connection being cut all the same."""
-    closed = _abort(conn)
-    if closed is not None:
-        await asyncio.wait((closed,))
-        if not closed.cancelled():
-            closed.exception()  # retrieved: a reset is what was asked for
+def encode_fields(headers: CIMultiDict[str]) -> bytes:
+    """Header fields as they go on the wire, values back to the bytes they came as."""
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode(
+        "utf-8", "surrogateescape"
+    )
 
 
 class UpstreamResponse:
-    """The upstream's status and headers; the body is read with :meth:`chunks` or
+    """The upstream's status and fields; the body is read with :meth:`chunks` or
     :meth:`read_capped`. :meth:`release` must be called once done with it: it gives
-    the connection back to its pool when the answer was read to the end, and closes
+    the connection back to its pool when the answer arrived to its end, and closes
     it otherwise."""
 
-    __slots__ = ("_conn", "_origin", "_payload", "headers", "reason", "status", "version")
+    __slots__ = (
+        "_conn",
+        "_headers",
+        "_origin",
+        "_payload",
+        "connection_named",
+        "content_length",
+        "raw_fields",
+        "reason",
+        "status",
+        "version",
+    )
 
     def __init__(
         self,
-        message: RawResponseMessage,
-        payload: StreamReader,
-        conn: ResponseHandler,
+        status: int,
+        reason: str,
+        version: Version,
+        raw_fields: list[tuple[bytes, bytes]],
+        payload: Body,
+        conn: UpstreamConnection,
         origin: Origin,
     ) -> None:
-        self.status: int = message.code
-        self.reason: str = message.reason
-        self.version: HttpVersion = message.version
-        self.headers: CIMultiDictProxy[str] = message.headers
+        self.status = status
+        self.reason = reason
+        self.version = version
+        self.raw_fields = raw_fields
+        """The answer's fields as the bytes that came, names as sent, in order."""
+        self.content_length: int | None = None
+        self.connection_named = NONE_NAMED
+        """The names its ``Connection`` fields list: hop-by-hop too."""
+        self._headers: CIMultiDictProxy[str] | None = None
         self._payload = payload
-        self._conn: ResponseHandler | None = conn
+        self._conn: UpstreamConnection | None = conn
         self._origin = origin
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        """The answer's fields as a case-insensitive mapping, values decoded as UTF-8
+        (bytes that are not kept as surrogate escapes)."""
+        if self._headers is None:
+            self._headers = read_fields(self.raw_fields)
+        return self._headers
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives. Raises UpstreamError if the upstream breaks off."""
         payload = self._payload
-        try:
-            while chunk := await payload.readany():
-                yield chunk
-        except FAILURES as exc:
-            raise map_failure(exc) from exc
+        while chunk := await payload.next():
+            yield chunk
 
     def received_whole(self) -> bytes | None:
         """The rest of the body if every byte of it has arrived, else None."""
-        payload = self._payload
-        if not payload.is_eof() or payload.exception() is not None:
-            return None
-        return payload.read_nowait()
+        return self._payload.whole_now()
 
     async def read_capped(self, cap: int) -> tuple[bytes, bool]:
         """Up to a little over ``cap`` bytes of the body, and whether that is all of it."""
@@ -161,22 +151,274 @@ class UpstreamResponse:
         return bytes(data), True
 
     def release(self) -> None:
-        """Give the connection back to its pool once the answer was read to the end,
-        or cut it (:meth:`cut`, not waiting for the socket to close)."""
+        """Give the connection back to its pool once the answer arrived to its end, or
+        cut it (:meth:`cut`, not waiting for the socket to close)."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._payload.is_eof() and self._payload.exception() is None:
+        if self._payload.done:
             self._origin.put(conn)
         else:
-            _abort(conn)
+            conn.abort()
 
     async def cut(self) -> None:
         """Abort the exchange, whatever it still had to send or answer, and return
         once its socket is closed. The response is released."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            await _gone(conn)
+            await conn.gone()
+
+
+class UpstreamConnection(Flow):
+    """One connection to an upstream, one exchange at a time: llhttp's callbacks build
+    the answer; a deadline between two reads fails it."""
+
+    def __init__(self, origin: Origin) -> None:
+        super().__init__()
+        self._origin = origin
+        self._loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+        """Done once the socket is closed."""
+        self.should_close = False
+        """The upstream will not go on with it, or it broke: never reused."""
+        self._parser = httptools.HttpResponseParser(self)
+        self._stale_parser = False  # a HEAD's answer left it waiting for a body
+        self._method = ""
+        self._head: asyncio.Future[UpstreamResponse] | None = None
+        self._response: UpstreamResponse | None = None
+        self._until_close = False  # the answer's body ends with the connection
+        self._interim = False
+        self._unasked = False
+        self._reason = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._read_timeout = 0.0
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- the exchange -------------------------------------------------------------------
+
+    def is_connected(self) -> bool:
+        return (
+            self.transport is not None
+            and not self.transport.is_closing()
+            and not self.closed.done()
+        )
+
+    def begin(self, method: str, read_timeout: float) -> None:
+        """A request is about to go out on this connection."""
+        if self._stale_parser:
+            self._parser = httptools.HttpResponseParser(self)
+            self._stale_parser = False
+        self._method = method
+        self._read_timeout = read_timeout
+        self._head = self._loop.create_future()
+        self._response = None
+        self._unasked = False
+
+    def sent(self) -> None:
+        """The request is out: the read deadline runs from now."""
+        self._last_read = self._loop.time()
+        if self._timer is None and self._in_exchange():
+            self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._check)
+
+    async def answer(self) -> UpstreamResponse:
+        """The answer's status and fields, once they are in."""
+        assert self._head is not None
+        return await self._head
+
+    def abort(self) -> None:
+        """Cut the connection: the unsent is dropped, the upstream gets a reset."""
+        self.should_close = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def gone(self) -> None:
+        """Abort and return once the socket is closed: nothing more of the exchange can
+        reach the upstream. A cancellation meanwhile is raised, the connection being
+        cut all the same."""
+        self.abort()
+        await asyncio.wait((self.closed,))
+
+    def close(self) -> None:
+        """End a connection whose exchange is over (or never began) with a FIN."""
+        self.should_close = True
+        self._linger(_CLOSE_GRACEFULLY)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _in_exchange(self) -> bool:
+        """A request is out whose answer has not all arrived."""
+        return self._awaits_head() or (
+            self._response is not None and not self._response._payload.is_eof()
+        )
+
+    def _awaits_head(self) -> bool:
+        return self._head is not None and not self._head.done()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The exchange in progress cannot go on: its caller gets ``exc`` mapped."""
+        self.should_close = True
+        error = map_failure(exc)
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+            self._head.exception()  # retrieved by answer(), or by nobody if it gave up
+        elif self._response is not None:
+            self._response._payload.fail(error)
+        self._stop_timer()
+
+    def _check(self) -> None:
+        """The read deadline: no byte of the answer for ``read_timeout`` fails it. One
+        timer per connection, not per exchange: it outlives a quick exchange, then
+        finds the next one in progress (or none) and sets itself again from the last
+        byte read."""
+        self._timer = None
+        if not self._in_exchange() or self._held:
+            return
+        due = self._last_read + self._read_timeout
+        if self._loop.time() >= due:
+            self._fail(TimeoutError())
+            self.abort()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _linger(self, how: bytes) -> None:
+        transport = self.transport
+        if transport is None or self.closed.done():
+            return  # closed already: nothing to send
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # OSError: reset by the peer meanwhile; ValueError: uvloop's socket is gone.
+            with contextlib.suppress(OSError, ValueError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, how)
+
+    # -- the transport's side -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self._linger(_RESET_ON_CLOSE)  # so even a process that dies sends no more
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
+        if not self._in_exchange():
+            self.should_close = True  # sent unasked: never reused
+            return
+        try:
+            self._parser.feed_data(data)
+        except FAILURES as exc:
+            self._fail(exc)
+            self.abort()
+
+    def eof_received(self) -> bool:
+        self.should_close = True
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.should_close = True
+        response = self._response
+        if response is not None and not response._payload.is_eof() and self._until_close:
+            if exc is None:
+                response._payload.finish()  # an answer that ends with its connection
+            self._until_close = False
+        if self._in_exchange():
+            self._fail(exc or ConnectionResetError("the upstream closed the connection"))
+        self._stop_timer()
+        self.flow_lost()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def reading_again(self) -> None:
+        """The reader caught up: read again, the read deadline from now."""
+        super().reading_again()
+        self._last_read = self._loop.time()
+        if self._timer is None and self._in_exchange():
+            self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._check)
+
+    # -- llhttp's callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._reason = b""
+        self._fields = []
+        self._interim = False
+        if not self._awaits_head():
+            self._unasked = True  # a second answer to one request
+            self.should_close = True
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+        if len(self._reason) > _MAX_LINE:
+            raise ValueError("the status line is too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._unasked or self._response is not None:
+            return  # trailers, or an answer nobody asked for
+        if len(self._fields) >= _MAX_FIELDS or len(name) + len(value) > _MAX_LINE:
+            raise ValueError("the answer's head is too large")
+        self._fields.append((name, value.rstrip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        if self._unasked:
+            return
+        parser = self._parser
+        status = parser.get_status_code()
+        if status == 101:
+            self._fail(httptools.HttpParserUpgrade())  # never relayed
+            return
+        if 100 <= status < 200:
+            self._interim = True  # 100 Continue and the like are not the answer
+            return
+        version = HTTP11 if parser.get_http_version() == "1.1" else HTTP10
+        if not parser.should_keep_alive():
+            self.should_close = True
+        body = Body(self)
+        response = UpstreamResponse(
+            status, self._reason.decode("latin-1"), version, self._fields, body, self,
+            self._origin,
+        )  # fmt: skip
+        self._response = response
+        length, chunked, named = _framing(self._fields)
+        response.content_length = length
+        response.connection_named = named
+        if self._method == "HEAD" or status in _NO_BODY:
+            body.finish()
+            self._stale_parser = self._method == "HEAD"  # it may wait for a body
+        else:
+            self._until_close = length is None and not chunked
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(response)
+
+    def on_body(self, data: bytes) -> None:
+        response = self._response
+        if response is not None and not self._unasked and not self._stale_parser:
+            response._payload.feed(data)
+
+    def on_message_complete(self) -> None:
+        if self._interim or self._unasked:
+            return
+        response = self._response
+        if response is not None and not self._stale_parser:
+            response._payload.finish()
+            self._until_close = False
+
+
+def _framing(fields: list[tuple[bytes, bytes]]) -> tuple[int | None, bool, frozenset[bytes]]:
+    """The answer's Content-Length, whether it is chunked (llhttp checked both), and
+    the names its ``Connection`` fields list."""
+    length, chunked, named = None, False, NONE_NAMED
+    for name, value in fields:
+        lower = name.lower()
+        if lower == b"content-length":
+            length = int(value)
+        elif lower == b"transfer-encoding":
+            chunked = value.rstrip().lower().endswith(b"chunked")
+        elif lower == b"connection":
+            named = connection_named(fields)
+    return length, chunked, named
 
 
 class Origin:
@@ -192,7 +434,8 @@ class Origin:
         default_port = url.port is None or url.is_default_port()
         host = f"[{url.host}]" if ":" in url.host else url.host
         self.authority = host if default_port else f"{host}:{self.port}"
-        self._idle: deque[tuple[ResponseHandler, float]] = deque()
+        self._authority = self.authority.encode("ascii")
+        self._idle: deque[tuple[UpstreamConnection, float]] = deque()
         self.opened = 0
         """Connections opened so far; how tests see that one was reused."""
         self.retired = False
@@ -207,72 +450,57 @@ class Origin:
         self,
         method: str,
         target: str,
-        headers: CIMultiDict[str],
+        headers: CIMultiDict[str] | bytes,
         body: bytes | AsyncIterable[bytes] | None,
         *,
         connect_timeout: float,
         read_timeout: float,
         host: str | None = None,
+        length: int | None = None,
     ) -> UpstreamResponse:
-        """Send a request and return once the upstream's status and headers are in.
+        """Send a request and return once the upstream's status and fields are in.
 
-        ``headers`` are sent as given, after ``Host``: ``host`` when given, else this
-        origin's authority; the body's framing is set here:
-        ``Content-Length`` for bytes (or a stream whose length the caller put in
-        ``headers``), chunked for any other stream. ``read_timeout`` bounds each wait
-        for the upstream once the request is out. Raises UpstreamError, or whatever
-        the body stream raises (the connection is closed then).
+        ``headers`` (a mapping, or field lines already encoded) are sent as given,
+        after ``Host``: ``host`` when given, else this origin's authority; the body's
+        framing is set here: ``Content-Length`` for bytes, or for a stream whose
+        ``length`` the caller knows, chunked for any other stream.
+        ``read_timeout`` bounds each wait for the upstream once the request is out.
+        Raises UpstreamError, or whatever the body stream raises (the connection is
+        closed then).
         """
         conn = await self._connect(connect_timeout)
+        fields = headers if isinstance(headers, bytes) else encode_fields(headers)
+        authority = self._authority if host is None else host.encode("utf-8", "surrogateescape")
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%s" % (
+            method.encode("ascii"),
+            target.encode("utf-8", "surrogateescape"),
+            authority,
+            fields,
+        )
         try:
-            conn.set_response_params(
-                skip_payload=method == "HEAD",
-                auto_decompress=False,
-                read_timeout=read_timeout,
-                max_line_size=_MAX_LINE,
-                max_field_size=_MAX_FIELD,
-                max_headers=_MAX_HEADERS,
-            )
-            writer = stream_writer(conn)
-            out: CIMultiDict[str] = CIMultiDict(Host=self.authority if host is None else host)
-            out.extend(headers)
+            conn.begin(method, read_timeout)
+            transport = conn.transport
+            assert transport is not None
             if isinstance(body, bytes | bytearray):
-                out["Content-Length"] = str(len(body))
+                transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
             elif body is None:
-                if method not in _BODILESS:
-                    out["Content-Length"] = "0"
-            elif "Content-Length" not in out:
-                out["Transfer-Encoding"] = "chunked"
-                writer.enable_chunking()
-            await writer.write_headers(f"{method} {target} HTTP/1.1", out)
-            if body is None or isinstance(body, bytes | bytearray):
-                await writer.write_eof(body or b"")
+                transport.write(head + b"\r\n" if method in _BODILESS else head + _EMPTY)
             else:
-                async for chunk in body:
-                    await writer.write(chunk)
-                await writer.write_eof()
-            conn.start_timeout()
-            while True:
-                message, payload = await conn.read()
-                # Interim answers (100 Continue and the like) are not the answer.
-                if not 100 <= message.code < 200 or message.code == 101:
-                    break
+                await _send_stream(conn, transport, head, body, length)
+            conn.sent()
+            return await conn.answer()
         except FAILURES as exc:
-            await _gone(conn)
+            await conn.gone()
             raise map_failure(exc) from exc
         except BaseException:
             # Cancelled (a deadline, the client gone, shutdown), or the body stream
             # failed: the exchange is cut, and only once its socket is gone does
             # the caller go on (and give the job's turn back).
-            await _gone(conn)
+            await conn.gone()
             raise
-        if message.code == 101:
-            _abort(conn)
-            raise UpstreamFailed("the upstream switched protocols, which is not proxied")
-        return UpstreamResponse(message, payload, conn, self)
 
-    def put(self, conn: ResponseHandler) -> None:
-        """Keep a connection whose last answer was read to its end, if both sides may
+    def put(self, conn: UpstreamConnection) -> None:
+        """Keep a connection whose last answer arrived to its end, if both sides may
         go on with it."""
         if (
             self.retired
@@ -280,23 +508,23 @@ class Origin:
             or not conn.is_connected()
             or len(self._idle) >= _IDLE_MAX
         ):
-            _close(conn)
+            conn.close()
             return
         self._idle.append((conn, time.monotonic()))
 
-    async def _connect(self, connect_timeout: float) -> ResponseHandler:
+    async def _connect(self, connect_timeout: float) -> UpstreamConnection:
         """The most recently used idle connection still open, or a new one."""
         now = time.monotonic()
         while self._idle:
             conn, since = self._idle.pop()
             if now - since < _IDLE_FOR and conn.is_connected() and not conn.should_close:
                 return conn
-            _close(conn)
+            conn.close()
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: ResponseHandler(loop),
+                    lambda: UpstreamConnection(self),
                     self.host,
                     self.port,
                     ssl=self._ssl,
@@ -305,9 +533,37 @@ class Origin:
         except CONNECT_FAILURES as exc:
             raise connect_failure(exc, connect_timeout) from exc
         self.opened += 1
-        _linger(conn, _RESET_ON_CLOSE)  # so even a process that dies sends no more
         return conn
 
     def close(self) -> None:
         while self._idle:
-            _close(self._idle.pop()[0])
+            self._idle.pop()[0].close()
+
+
+_EMPTY = b"Content-Length: 0\r\n\r\n"
+
+
+async def _send_stream(
+    conn: UpstreamConnection,
+    transport: asyncio.Transport,
+    head: bytes,
+    body: AsyncIterable[bytes],
+    length: int | None,
+) -> None:
+    """A body as it comes: framed by its ``length`` when the caller knows it, else
+    chunked; waiting for the socket whenever it is full."""
+    chunked = length is None
+    if length is None:
+        transport.write(head + b"Transfer-Encoding: chunked\r\n\r\n")
+    else:
+        transport.write(b"%sContent-Length: %d\r\n\r\n" % (head, length))
+    async for chunk in body:
+        if not chunk:
+            continue
+        if chunked:
+            transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+        else:
+            transport.write(chunk)
+        await conn.drain()
+    if chunked:
+        transport.write(b"0\r\n\r\n")

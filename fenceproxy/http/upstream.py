@@ -13,59 +13,44 @@ import time
 from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
 
-from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy, istr
+from multidict import CIMultiDict, istr
 from yarl import URL
 
 from .. import hdrs
 from ..errors import RequestHeaderMalformed
+from .answer import http_date
 from .http1 import Origin, UpstreamResponse
+from .request import Request
 from .routes import Route
 
 __all__ = [
     "TrustedProxies",
     "UpstreamPool",
-    "forwarded_headers",
+    "answer_fields",
+    "forwarded_fields",
     "replayable_headers",
-    "response_headers",
 ]
 
-_VIA = "fenceproxy"
-# Set by the proxy itself or by aiohttp's framing, never copied from the client.
-# Header names below are lower-case and compared with ``name.lower()``: a set of
-# ``istr`` would compare them case-sensitively.
-_NOT_FORWARDED = hdrs.lower(
-    hdrs.HOP_BY_HOP | {istr("Host"), istr("Content-Length"), istr("Expect")}
-)
+_VIA = b"fenceproxy"
+# Names below are lower-case bytes, compared with ``name.lower()``.
+# Set by the proxy itself or by the body's framing, never copied from the client.
+_NOT_FORWARDED = frozenset(
+    n.encode() for n in hdrs.lower(hdrs.HOP_BY_HOP | {istr("Host"), istr("Content-Length"),
+                                                      istr("Expect")})
+)  # fmt: skip
+# Written anew by the proxy: X-Forwarded-* (from a trusted peer's, if any) and Via.
+_REWRITTEN = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"via"})
 # What a client may claim about itself; believed only from a trusted proxy.
-_CLIENT_CLAIMS = (istr("Forwarded"), istr("X-Real-IP"))
+_CLIENT_CLAIMS = frozenset({b"forwarded", b"x-real-ip"})
 # The proxy's own say about a fenced write: an upstream's would be taken for it.
-_NOT_RETURNED = hdrs.lower(hdrs.HOP_BY_HOP | {hdrs.FENCING_DECISION})
+_NOT_RETURNED = frozenset(
+    n.encode() for n in hdrs.lower(hdrs.HOP_BY_HOP | {hdrs.FENCING_DECISION, hdrs.VIA})
+)
+_NOT_RETURNED_NOR_LENGTH = _NOT_RETURNED | {b"content-length"}
 _NOT_STORED = hdrs.lower(hdrs.HOP_BY_HOP | {istr("Content-Length"), hdrs.VIA})
-
-
-def _copy_without(
-    headers: CIMultiDictProxy[str], drop: frozenset[str], keep: frozenset[str] = frozenset()
-) -> list[tuple[str, str]]:
-    """``headers`` in their order, less the lower-case names in ``drop`` and less
-    every header their ``Connection`` names, except those in ``keep``; names compared
-    case-insensitively. A name sent in two spellings goes on in its first one: given
-    ``X-A`` and ``x-a``, aiohttp's client would keep only the last field."""
-    named = {
-        token.strip().lower()
-        for value in headers.getall("Connection", ())
-        for token in value.split(",")
-        if token.strip()
-    }
-    if named:
-        drop = drop | (named - keep)
-    spelling: dict[str, str] = {}
-    out = []
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower not in drop:
-            out.append((spelling.setdefault(lower, name), value))
-    return out
+# Dropped fields whose values the proxy reads to write its own.
+_READ = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"via", b"host"})
+Fields = list[tuple[bytes, bytes]]
 
 
 class TrustedProxies:
@@ -86,75 +71,100 @@ class TrustedProxies:
         return any(address in net for net in self._networks)
 
 
-def forwarded_headers(
-    request: web.BaseRequest,
-    trusted: TrustedProxies,
-    body_length: int | None,
-    *,
-    keep: frozenset[str] = frozenset(),
-) -> CIMultiDict[str]:
-    """The headers to send upstream: the client's, less hop-by-hop ones, plus
-    X-Forwarded-For/-Proto/-Host and Via. Incoming X-Forwarded-*, Forwarded and
-    X-Real-IP values are kept only from a trusted peer. ``body_length`` is the
-    Content-Length the aiohttp server already enforced on a body streamed through,
-    or None to let aiohttp frame the body (a buffered body gets its exact length).
-    ``keep`` names (lower-case) headers forwarded even when ``Connection`` lists
-    them (the fencing fields, which the proxy read as the write's own)."""
-    incoming = request.headers
-    copied = _copy_without(incoming, _NOT_FORWARDED, keep)
-    for name, value in copied:
-        if not value.isascii() and not _is_utf8(value):
-            # aiohttp would send it less the bytes that are not UTF-8.
-            raise RequestHeaderMalformed(
-                f"the value of {name} is not UTF-8 and cannot be forwarded unchanged",
-                header=name,
-            )
-    out: CIMultiDict[str] = CIMultiDict(copied)
+def forwarded_fields(
+    request: Request, trusted: TrustedProxies, *, keep: frozenset[str] = frozenset()
+) -> bytes:
+    """The field lines to send upstream, in one pass: the client's as they came,
+    less hop-by-hop ones, then X-Forwarded-For/-Proto/-Host and Via. Incoming
+    X-Forwarded-*, Forwarded and X-Real-IP values are kept only from a trusted
+    peer. ``keep`` names (lower-case) fields forwarded even when ``Connection``
+    lists them (the fencing fields, which the proxy read as the write's own). The
+    body's framing is the upstream client's to add. RequestHeaderMalformed for a
+    value that cannot go on as it came (:func:`_check_utf8`)."""
+    fields = request.raw_headers
     peer = request.remote
     believe = peer in trusted
-    if not believe:
-        for name in _CLIENT_CLAIMS:
-            out.popall(name, None)
-    prior_for = incoming.get(hdrs.X_FORWARDED_FOR) if believe else None
-    out[hdrs.X_FORWARDED_FOR] = f"{prior_for}, {peer}" if prior_for else (peer or "unknown")
-    if not (believe and hdrs.X_FORWARDED_PROTO in incoming):
-        out[hdrs.X_FORWARDED_PROTO] = request.scheme
-    if not (believe and hdrs.X_FORWARDED_HOST in incoming):
-        out.popall(hdrs.X_FORWARDED_HOST, None)
-        if request.host:
-            out[hdrs.X_FORWARDED_HOST] = request.host
-    _append_via(out, request.version)
-    if body_length is not None:
-        out[istr("Content-Length")] = str(body_length)
-    return out
+    drop = _NOT_FORWARDED | _REWRITTEN if believe else _NOT_FORWARDED | _REWRITTEN | _CLIENT_CLAIMS
+    if request.connection_named:
+        drop = drop | (request.connection_named - {k.encode() for k in keep})
+    out: list[bytes] = []
+    seen: dict[bytes, list[bytes]] = {}
+    for name, value in fields:
+        lower = name.lower()
+        if lower in drop:
+            if lower in _READ:
+                seen.setdefault(lower, []).append(value)
+            continue
+        if not value.isascii():
+            _check_utf8(name, value)
+        out += (name, b": ", value, b"\r\n")
+    address = (peer or "unknown").encode()
+    prior_for = seen.get(b"x-forwarded-for") if believe else None
+    out += (b"X-Forwarded-For: ", b", ".join([*prior_for, address]) if prior_for else address)
+    proto = seen.get(b"x-forwarded-proto") if believe else None
+    out += (b"\r\nX-Forwarded-Proto: ", proto[0] if proto else request.scheme.encode(), b"\r\n")
+    host = (seen.get(b"x-forwarded-host") if believe else None) or seen.get(b"host")
+    if host:
+        out += (b"X-Forwarded-Host: ", host[0], b"\r\n")
+    out.append(_via(seen.get(b"via", ()), request.version))
+    return b"".join(out)
 
 
-def _is_utf8(value: str) -> bool:
-    """Whether a header value arrived as UTF-8 (aiohttp surrogate-escapes other bytes)."""
+def _check_utf8(name: bytes, value: bytes) -> None:
+    """A request field's value goes on as it came only when it is UTF-8 (or ASCII):
+    upstreams' own frameworks read other bytes each their own way (Latin-1, or
+    replaced), so the proxy, the fence and the upstream might not read one value
+    alike. RequestHeaderMalformed, never quoting the value."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        header = name.decode("latin-1")
+        raise RequestHeaderMalformed(
+            f"the value of {header} is not UTF-8 and cannot be forwarded unchanged",
+            header=header,
+        ) from None
 
 
-def response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:
-    """The upstream's response headers less hop-by-hop ones, plus Via."""
-    out: CIMultiDict[str] = CIMultiDict(_copy_without(upstream.headers, _NOT_RETURNED))
-    _append_via(out, upstream.version)
-    return out
+def answer_fields(upstream: UpstreamResponse, *, length: bool) -> bytes:
+    """The upstream's answer fields as the client gets them, in one pass, as they
+    came: less hop-by-hop ones (and ``Content-Length`` unless ``length``: the proxy
+    frames a body it read whole anew), plus Via, and ``Date`` when the upstream sent
+    none (RFC 9110 §6.6.1)."""
+    fields = upstream.raw_fields
+    drop = _NOT_RETURNED if length else _NOT_RETURNED_NOR_LENGTH
+    named = upstream.connection_named
+    if named:
+        drop = drop | named
+    out: list[bytes] = []
+    via: list[bytes] = []
+    dated = False
+    for name, value in fields:
+        lower = name.lower()
+        if lower in drop:
+            if lower == b"via":
+                via.append(value)
+            continue
+        if lower == b"date":
+            dated = True
+        out += (name, b": ", value, b"\r\n")
+    out.append(_via(via, upstream.version))
+    if not dated:
+        out += (b"Date: ", http_date(), b"\r\n")
+    return b"".join(out)
 
 
 def replayable_headers(upstream: UpstreamResponse) -> tuple[tuple[str, str], ...]:
     """The upstream's headers worth storing for a replay: no hop-by-hop, no framing
     (the replay is framed anew), no Via."""
-    return tuple(_copy_without(upstream.headers, _NOT_STORED))
+    named = {token.strip().lower() for v in upstream.headers.getall("Connection", ())
+             for token in v.split(",")}  # fmt: skip
+    drop = _NOT_STORED | named
+    return tuple((n, v) for n, v in upstream.headers.items() if n.lower() not in drop)
 
 
-def _append_via(headers: CIMultiDict[str], version: Any) -> None:
-    hop = f"{version.major}.{version.minor} {_VIA}" if version else f"1.1 {_VIA}"
-    prior = ", ".join(headers.popall(hdrs.VIA, ()))
-    headers[hdrs.VIA] = f"{prior}, {hop}" if prior else hop
+def _via(prior: Iterable[bytes], version: Any) -> bytes:
+    hop = b"%d.%d %s" % (version.major, version.minor, _VIA)
+    return b"Via: %s\r\n" % (b", ".join([*prior, hop]))
 
 
 Answered = Callable[[str, float, int | None], None]
@@ -195,15 +205,17 @@ class UpstreamPool:
         route: Route,
         method: str,
         target: str,
-        headers: CIMultiDict[str],
+        headers: CIMultiDict[str] | bytes,
         body: bytes | AsyncIterable[bytes] | None,
         *,
         host: str | None = None,
+        length: int | None = None,
     ) -> UpstreamResponse:
         """Send a request to the route's upstream and return once the upstream's status
-        and headers are in; the caller must release the response it gets. ``host`` is
+        and fields are in; the caller must release the response it gets. ``host`` is
         the ``Host`` to send (a ``host: preserve`` route's client's), None for the
-        upstream's authority. Raises UpstreamError (see :mod:`fenceproxy.http.http1`)."""
+        upstream's authority; ``length`` the length of a streamed body, if known.
+        Raises UpstreamError (see :mod:`fenceproxy.http.http1`)."""
         answered = self._answered
         started = time.monotonic()
         status: int | None = None
@@ -216,6 +228,7 @@ class UpstreamPool:
                 connect_timeout=route.connect_timeout,
                 read_timeout=route.timeout,
                 host=host,
+                length=length,
             )
             status = response.status
             return response

@@ -78,13 +78,25 @@ class Metrics:
         )
         self.store = _StoreMetrics()
         r.register(self.store)
+        self._decided: dict[tuple[str, str], Counter] = {}
+        self._answered: dict[tuple[str, int], Histogram] = {}
 
     def decided(self, route: str, outcome: str) -> None:
-        self._decisions.labels(route, outcome).inc()
+        key = (route, outcome)
+        counter = self._decided.get(key)
+        if counter is None:
+            counter = self._decided[key] = self._decisions.labels(route, outcome)
+        counter.inc()
 
     def upstream_answered(self, route: str, seconds: float, status: int | None) -> None:
-        status_class = "error" if status is None else f"{status // 100}xx"
-        self._upstream.labels(route, status_class).observe(seconds)
+        # One labelled child per route and status class, looked up once: prometheus'
+        # labels() costs more than the observation.
+        key = (route, -1 if status is None else status // 100)
+        histogram = self._answered.get(key)
+        if histogram is None:
+            status_class = "error" if status is None else f"{status // 100}xx"
+            histogram = self._answered[key] = self._upstream.labels(route, status_class)
+        histogram.observe(seconds)
 
     def committed(self, seconds: float, operations: int) -> None:
         self._commits.observe(seconds)

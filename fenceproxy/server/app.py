@@ -1,11 +1,11 @@
-"""``FenceProxy``: the proxy and its lease API behind one request handler, on
-aiohttp's low-level server, and ``serve`` to run it until a signal.
+"""``FenceProxy``: the proxy and its lease API behind one request handler, on the
+data plane (:mod:`fenceproxy.http.server`), and ``serve`` to run it until a signal.
 
-The low-level server (``aiohttp.web.Server``) gives the handler each parsed request
-with no application router, middleware chain or per-request signals: the proxy
-matches its own routes, once, on the path as its route reads it
-(:mod:`fenceproxy.http.target`). That costs about a third less
-CPU per request than a ``web.Application`` with one catch-all route.
+The data plane gives the handler each parsed request with no web framework between
+them: the proxy matches its own routes, once, on the path as its route reads it
+(:mod:`fenceproxy.http.target`), and the lease API's prefix is dispatched to it
+before any route is looked at. The admin listener is an aiohttp application on a
+port of its own (:mod:`fenceproxy.ops.admin`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -29,15 +29,11 @@ from aiohttp import web
 
 from ..config import Config, lease_credentials, parse_listen, signing_keys
 from ..errors import ConfigError, ListenError, Refusal
-from ..http.edge import (
-    Bodies,
-    ProxyServer,
-    RefusedRequest,
-    connection_cap,
-    log_accept_errors,
-    problem_response,
-)
+from ..http.answer import Answer, problem_answer
+from ..http.edge import Bodies, connection_cap, log_accept_errors
+from ..http.request import Request
 from ..http.routes import Router
+from ..http.server import DataPlane, Listener
 from ..http.upstream import TrustedProxies, UpstreamPool
 from ..log import configure_logging, proxy_log, server_log
 from ..ops.admin import admin_app
@@ -52,8 +48,6 @@ from .workers import Seat
 
 __all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 
-# Limits of the request head; a request beyond them is refused by the server with 4xx.
-_SERVER_LIMITS: dict[str, Any] = {"max_headers": 100}
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 RESTART_ONLY = (
     "listen",
@@ -72,8 +66,8 @@ class FenceProxy:
 
     ``async with FenceProxy(config) as proxy:`` opens the store named in ``config``
     (unless ``store`` is given, which the caller then owns) and closes it on exit;
-    :meth:`handle` answers requests in between, :meth:`server` wraps it in an aiohttp
-    low-level server. ``clock`` is the store's wall clock. Opening fails with
+    :meth:`handle` answers requests in between, :meth:`server` is the data plane
+    that serves it. ``clock`` is the store's wall clock. Opening fails with
     StoreError when the store cannot be opened.
     """
 
@@ -99,7 +93,7 @@ class FenceProxy:
         self._store: Store | None = None
         self._proxy: Proxy | None = None
         self._upstreams: UpstreamPool | None = None
-        self._server: ProxyServer | None = None
+        self._server: DataPlane | None = None
         self._take(config)
 
     def restart_only(self, config: Config) -> dict[str, Any]:
@@ -159,7 +153,6 @@ class FenceProxy:
         settings = ProxySettings(
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
-            send_timeout=config.limits.send_timeout,
             keys=self._keys,
         )
         if self._proxy is None:
@@ -235,15 +228,11 @@ class FenceProxy:
             await self._store.close()
         self._proxy = self._upstreams = self._store = None
 
-    def server(self, **kwargs: Any) -> ProxyServer:
-        """The low-level server for :meth:`handle`, with the config's limits at the
-        door (:mod:`fenceproxy.http.edge`); ``kwargs`` go to aiohttp's (for example
-        ``access_log``)."""
-        # auto_decompress off: a compressed request body is forwarded as it came, with
-        # its Content-Encoding, never decoded on the way.
-        server = self._server = ProxyServer(
-            self.handle, self.config.limits, auto_decompress=False, **_SERVER_LIMITS, **kwargs
-        )
+    def server(self, **kwargs: Any) -> DataPlane:
+        """The data plane for :meth:`handle`, with the config's limits at the door
+        (:mod:`fenceproxy.http.server`); ``kwargs`` go to it (``access_log``,
+        ``max_connections``, ``handler_cancellation``)."""
+        server = self._server = DataPlane(self.handle, self.config.limits, **kwargs)
         self.metrics.watch(
             bodies_held=lambda: self._bodies.held,
             connections=lambda: server.open_connections,
@@ -254,14 +243,12 @@ class FenceProxy:
         """The admin listener's application (:mod:`fenceproxy.ops.admin`)."""
         return admin_app(lambda: self.config, lambda: self.store, self.metrics)
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: Request) -> Answer:
         """Answer one request: the lease API under its prefix, a route otherwise.
         Refusals become RFC 9457 problem answers, each logged once."""
         assert self._proxy is not None, "the proxy is not open"
         try:
-            if type(request) is RefusedRequest:
-                raise request.refusal
-            raw = request.rel_url.raw_path
+            raw = request.path
             prefix = self._lease_prefix
             if prefix is not None and raw.startswith(prefix) and _under(raw, prefix):
                 # Nothing under the prefix is ever forwarded, so the lease API reads
@@ -274,12 +261,12 @@ class FenceProxy:
                 proxy_log.info(
                     "refused %s %s: %s (%d) %s",
                     request.method,
-                    request.rel_url.raw_path,
+                    request.path,
                     refusal.slug,
                     refusal.status,
                     refusal.detail,
                 )
-            return problem_response(refusal)
+            return problem_answer(refusal)
 
 
 def _return_freed_memory() -> None:
@@ -367,16 +354,14 @@ async def serve(
     _return_freed_memory()
     max_connections = _connection_cap(config.limits.max_connections)
     async with FenceProxy(config) as proxy:
-        runner = web.ServerRunner(
+        listener = Listener(
             proxy.server(access_log=access_log, max_connections=max_connections),
-            handle_signals=False,
-            shutdown_timeout=config.shutdown_timeout,
+            config.shutdown_timeout,
         )
         admin = web.AppRunner(proxy.admin(), access_log=None, handle_signals=False)
-        await runner.setup()
         await admin.setup()
         try:
-            await _listen(runner, config.listen, reuse_port=seat is not None)
+            await _listen_plane(listener, config.listen, reuse_port=seat is not None)
             if seat is not None:
                 await web.UnixSite(admin, seat.admin_socket).start()
             elif config.admin is not None:
@@ -388,7 +373,7 @@ async def serve(
             await stop.wait()
         finally:
             await admin.cleanup()
-            await runner.cleanup()
+            await listener.close()
 
 
 Reader = Callable[[Mapping[str, Any] | None], Config]
@@ -466,10 +451,23 @@ def notify_systemd(state: str) -> None:
         sock.sendall(state.encode())
 
 
-async def _listen(runner: web.BaseRunner, address: str, *, reuse_port: bool = False) -> None:
+async def _listen(runner: web.BaseRunner, address: str) -> None:
     host, port = parse_listen(address)
+    with _listening(address):
+        await web.TCPSite(runner, host, port).start()
+
+
+async def _listen_plane(listener: Listener, address: str, *, reuse_port: bool) -> None:
+    host, port = parse_listen(address)
+    with _listening(address):
+        await listener.listen(host, port, reuse_port=reuse_port)
+
+
+@contextlib.contextmanager
+def _listening(address: str) -> Iterator[None]:
+    """ListenError, naming ``address``, when it cannot be listened on."""
     try:
-        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+        yield
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         raise ListenError(f"cannot listen on {address}: {reason}") from None

@@ -25,7 +25,7 @@ from importlib.resources import files
 from typing import Annotated, Any
 from urllib.parse import unquote
 
-from aiohttp import web
+from multidict import CIMultiDict
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..config import LeasesSpec
@@ -40,7 +40,9 @@ from ..errors import (
 )
 from ..fence.fencing import GENERATION_MAX, parse_job
 from ..fence.tokens import SigningKeys
+from ..http.answer import Answer
 from ..http.edge import Bodies
+from ..http.request import Request
 from ..leases import model as leasing
 from ..leases.auth import LeaseCaller, LeaseCredentials
 from ..leases.model import Lease, LeaseState
@@ -131,7 +133,7 @@ class LeaseService:
             "release": self.release,
         }
 
-    async def handle(self, request: web.BaseRequest, path: str) -> web.Response:
+    async def handle(self, request: Request, path: str) -> Answer:
         """Answer a request whose raw ``path`` is under the prefix; everything under
         it is the lease API's, never an upstream's. A store that cannot answer (a
         database restarting or failing over) is a 503 to try again: a lease is never
@@ -145,9 +147,10 @@ class LeaseService:
                 "the lease as the store holds it, should an answer have been lost)"
             ) from exc
 
-    async def _answer_call(self, request: web.BaseRequest, path: str) -> web.Response:
+    async def _answer_call(self, request: Request, path: str) -> Answer:
         if path == self._openapi_path and request.method in ("GET", "HEAD"):
-            return web.Response(body=self._openapi, content_type="application/json")
+            headers: CIMultiDict[str] = CIMultiDict({"Content-Type": "application/json"})
+            return Answer(200, headers, self._openapi)
         caller = None
         if self._credentials is not None:  # before anything else is told
             caller = self._credentials.authenticate(request.headers.get("Authorization"))
@@ -163,9 +166,7 @@ class LeaseService:
             "like this; see claim, renew, complete, release and GET"
         )
 
-    async def claim(
-        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
-    ) -> web.Response:
+    async def claim(self, request: Request, job: str, caller: LeaseCaller | None) -> Answer:
         body = await self._parse(request, _Claim)
         owner = _owner(body.owner, caller)
         ttl = self._ttl(body.ttl)
@@ -178,9 +179,7 @@ class LeaseService:
         lease_log.info("claim %r by %r: generation %d", job, owner, result.generation)
         return self._answer(result, now)
 
-    async def renew(
-        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
-    ) -> web.Response:
+    async def renew(self, request: Request, job: str, caller: LeaseCaller | None) -> Answer:
         body = await self._parse(request, _Renew)
         owner = _owner(body.owner, caller)
         ttl = None if body.ttl is None else self._ttl(body.ttl)
@@ -193,17 +192,13 @@ class LeaseService:
             )
         )
 
-    async def complete(
-        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
-    ) -> web.Response:
+    async def complete(self, request: Request, job: str, caller: LeaseCaller | None) -> Answer:
         return await self._end(request, job, caller, "complete", leasing.complete)
 
-    async def release(
-        self, request: web.BaseRequest, job: str, caller: LeaseCaller | None
-    ) -> web.Response:
+    async def release(self, request: Request, job: str, caller: LeaseCaller | None) -> Answer:
         return await self._end(request, job, caller, "release", leasing.release)
 
-    async def show(self, request: web.BaseRequest, job: str) -> web.Response:
+    async def show(self, request: Request, job: str) -> Answer:
         store = self._store()
         lease, now = await store.lease(job)
         if lease is None:
@@ -221,12 +216,12 @@ class LeaseService:
 
     async def _end(
         self,
-        request: web.BaseRequest,
+        request: Request,
         job: str,
         caller: LeaseCaller | None,
         action: str,
         decide: Any,
-    ) -> web.Response:
+    ) -> Answer:
         body = await self._parse(request, _Holder)
         owner = _owner(body.owner, caller)
         result, now = await self._change(
@@ -253,7 +248,7 @@ class LeaseService:
         recent.lease(action, job, owner, result.generation)
         return result, now
 
-    async def _parse(self, request: web.BaseRequest, schema: type[_Body]) -> Any:
+    async def _parse(self, request: Request, schema: type[_Body]) -> Any:
         held = await self._bodies.read(request, _MAX_BODY)
         try:
             data = json.loads(held.data)
@@ -289,7 +284,7 @@ class LeaseService:
         assert self.store is not None, "the lease service runs only inside a started app"
         return self.store
 
-    def _answer(self, lease: Lease, now: float, *, with_token: bool = True) -> web.Response:
+    def _answer(self, lease: Lease, now: float, *, with_token: bool = True) -> Answer:
         """``now`` is the store's clock, read in the same transaction."""
         answer: dict[str, Any] = {
             "job_id": lease.job_id,
@@ -308,7 +303,7 @@ class LeaseService:
                 if self._keys is None
                 else self._keys.sign(lease.job_id, lease.generation)
             )
-        return web.json_response(answer)
+        return Answer.json(answer)
 
 
 def _described(

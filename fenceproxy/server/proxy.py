@@ -33,7 +33,7 @@ dies with writes in flight leaves their records behind: only those jobs wait, on
 every proxy sharing the store, until the records expire.
 
 Every refusal is raised as a :class:`~fenceproxy.errors.Refusal` and rendered by
-:func:`problem_response`.
+:func:`~fenceproxy.http.answer.problem_answer`.
 """
 
 from __future__ import annotations
@@ -45,16 +45,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from aiohttp import web
-from multidict import CIMultiDict, istr
-
-from .. import hdrs
 from ..errors import Refusal, UnsupportedFraming
 from ..fence.fencing import FencedWrite, fingerprint_digest
 from ..fence.tokens import SigningKeys
 from ..fence.write import Reading, read_write
+from ..http.answer import Answer
 from ..http.edge import Bodies, HeldBody
 from ..http.http1 import UpstreamResponse, map_failure
+from ..http.request import Request
 from ..http.routes import Route, Router
 from ..http.target import read_path
 from ..http.upstream import TrustedProxies, UpstreamPool, replayable_headers
@@ -62,7 +60,7 @@ from ..log import decision_log
 from ..ops.metrics import Metrics
 from ..ops.recent import Event
 from ..store import Store
-from .relay import DECISION, Relay, answer, check_length, relay, replayed
+from .relay import Relay, answer, check_length, relay, replayed
 from .turn import JobLocks, Turn, Turns
 
 __all__ = ["WOULD_REFUSE", "Proxy", "ProxySettings"]
@@ -100,8 +98,6 @@ class ProxySettings:
     """Peers whose X-Forwarded-* headers are believed."""
     max_stored_response: int
     """The largest answer kept with its idempotency key, to be replayed."""
-    send_timeout: float
-    """How long a client may take to read the next part of a streamed answer."""
     keys: SigningKeys | None = None
     """The keys that verify signed fencing tokens."""
 
@@ -113,7 +109,8 @@ class _Outgoing:
     write: FencedWrite
     method: str
     target: str
-    headers: CIMultiDict[str]
+    fields: bytes
+    """The field lines the upstream gets (:func:`~fenceproxy.http.upstream.forwarded_fields`)."""
     host: str | None
     body: HeldBody
 
@@ -147,21 +144,22 @@ class Proxy:
         writes in flight stay known, whatever the config says now."""
         self._router = router
         self._relay.trusted = settings.trusted
-        self._relay.send_timeout = settings.send_timeout
         self._max_stored = settings.max_stored_response
         self._signing = settings.keys
 
-    async def handle(self, request: web.BaseRequest, raw: str) -> web.StreamResponse:
+    async def handle(self, request: Request, raw: str) -> Answer:
         """Forward ``request``, whose raw path (no query) is ``raw``, or raise a
         Refusal; the path is read once (:func:`read_path`), then taken as its route's
         ``paths`` says (:meth:`Router.route`)."""
-        coding = request.headers.get(hdrs.TRANSFER_ENCODING)
-        if coding is not None and coding.strip().lower() != "chunked":
+        coding = request.coding
+        if coding is not None and coding.strip().lower() != b"chunked":
             # Reject, never repair: the body would reach the upstream re-framed.
             raise UnsupportedFraming("the only transfer coding accepted is chunked")
         route, path_job, path = self._router.route(read_path(raw))
-        query = request.rel_url.raw_query_string
+        query = request.query
         target = f"{path}?{query}" if query else path
+        if route.fence is None:  # its fields are never read
+            return await self._relay.pass_through(request, route, target)
         reading = read_write(route, request.method, request.headers, path_job, self._signing)
         if not (reading.fenced or reading.refusal is not None):
             return await self._relay.pass_through(request, route, target)
@@ -175,8 +173,8 @@ class Proxy:
     # -- fenced -----------------------------------------------------------------
 
     async def _fenced(
-        self, request: web.BaseRequest, route: Route, target: str, reading: Reading
-    ) -> web.StreamResponse:
+        self, request: Request, route: Route, target: str, reading: Reading
+    ) -> Answer:
         """A fenced write, counted and logged: a refusal as a refusal (unless the
         method override could not be read: nobody can tell whether it was fenced),
         an answer as what became of the write."""
@@ -191,7 +189,7 @@ class Proxy:
                     refusal.logged = True
                     _log_decision(logging.INFO, event)
             raise
-        told = response.get(DECISION, "forwarded")  # forwarded, replayed, would-<kind>
+        told = response.decision or "forwarded"  # forwarded, replayed, would-<kind>
         event = self._decided(route, reading, told, response.status, started, None)
         # What a report-only route would have refused is told as a refusal is.
         level = logging.INFO if told.startswith("would-") else logging.DEBUG
@@ -200,8 +198,8 @@ class Proxy:
         return response
 
     async def _reported(
-        self, request: web.BaseRequest, route: Route, target: str, reading: Reading
-    ) -> web.StreamResponse:
+        self, request: Request, route: Route, target: str, reading: Reading
+    ) -> Answer:
         """Report mode, in one place: on a report-only route, a write the fence would
         refuse (a kind in WOULD_REFUSE) or answer from its key goes to the upstream
         as it came, unfenced, and the answer says so."""
@@ -211,7 +209,7 @@ class Proxy:
             try:
                 out = await self._outgoing(request, route, target, reading, holding)
                 response = await self._forward_fenced(request, route, out)
-                kind = "replayed" if report and response.get(DECISION) == "replayed" else None
+                kind = "replayed" if report and response.decision == "replayed" else None
             except Refusal as refusal:
                 if not (report and refusal.slug in WOULD_REFUSE):
                     raise
@@ -222,7 +220,7 @@ class Proxy:
 
     async def _outgoing(
         self,
-        request: web.BaseRequest,
+        request: Request,
         route: Route,
         target: str,
         reading: Reading,
@@ -235,7 +233,7 @@ class Proxy:
             assert reading.refusal is not None
             raise reading.refusal
         check_length(request, route)
-        headers, host = self._relay.head(request, route, None, fenced=True)
+        fields, host = self._relay.head(request, route, fenced=True)
         # Hashed as it arrives; on a route that preserves Host, the Host names the resource.
         digest = None
         if write.key is not None:
@@ -244,13 +242,9 @@ class Proxy:
         holding.callback(held.release)
         if digest is not None:
             write = dataclasses.replace(write, fingerprint=digest.digest())
-        if held.file is not None:  # sent from its file, framed as a buffered body is
-            headers[istr("Content-Length")] = str(held.size)
-        return _Outgoing(write, request.method, target, headers, host, held)
+        return _Outgoing(write, request.method, target, fields, host, held)
 
-    async def _forward_fenced(
-        self, request: web.BaseRequest, route: Route, out: _Outgoing
-    ) -> web.StreamResponse:
+    async def _forward_fenced(self, request: Request, route: Route, out: _Outgoing) -> Answer:
         """Forward a write in its job's turn (:mod:`.turn`); answer once the turn is
         given back. A keyed write's answer, read whole up to the replay cap, is
         committed under its key before the client gets it."""
@@ -258,12 +252,10 @@ class Proxy:
             if turn.replay is not None:
                 return replayed(turn.replay)
             upstream, body, whole = await self._exchange(turn, route, out)
-        try:
-            if whole and out.write.key is not None:
-                return answer(upstream, body)
-            return await relay(request, upstream, self._relay.send_timeout, prefix=body)
-        finally:
+        if whole and out.write.key is not None:
             upstream.release()
+            return answer(upstream, body)
+        return relay(request, upstream, prefix=body)
 
     async def _exchange(
         self, turn: Turn, route: Route, out: _Outgoing
@@ -279,8 +271,8 @@ class Proxy:
             with self._metrics.in_flight.track_inprogress():
                 async with asyncio.timeout(attempt.timeout):
                     upstream = turn.upstream = await self._upstreams.send(
-                        route, out.method, out.target, out.headers, out.body.payload(),
-                        host=out.host,
+                        route, out.method, out.target, out.fields, out.body.payload(),
+                        host=out.host, length=out.body.size,
                     )  # fmt: skip
                     out.body.release()  # the upstream has it
                     if keyed:

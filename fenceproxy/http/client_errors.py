@@ -1,7 +1,6 @@
-"""The adapter to aiohttp's client protocol and response parser, which the upstream
-client (:mod:`fenceproxy.http.http1`) drives: the one table of what their errors,
-the socket's and a deadline's, mean to a write, and the one private name of aiohttp
-it reads.
+"""What the upstream client's failures mean (:mod:`fenceproxy.http.http1`): the one
+table of its errors, llhttp's (httptools' response parser), the socket's and a
+deadline's, and the one place they become :class:`~fenceproxy.errors.UpstreamError`.
 
 Once the request may have left (:data:`FAILURES`, :func:`map_failure`), the first
 matching row wins:
@@ -10,42 +9,33 @@ matching row wins:
 raised                                          becomes
 ==============================================  =========================================
 ``UpstreamError``                               itself
-``TimeoutError`` (aiohttp's read timeout,       504 ``UpstreamTimeout``
-``ServerTimeoutError``, is one; so is the
-proxy's own deadline, :func:`timed_out`)
-``HttpProcessingError`` (the parser's)          502 ``UpstreamFailed``, naming its reason
-``ClientError``, ``OSError``                    502 ``UpstreamFailed``, naming the class
+``TimeoutError`` (the read deadline between     504 ``UpstreamTimeout``
+two parts of the answer, or the proxy's own
+deadline on the exchange, :func:`timed_out`)
+``HttpParserUpgrade`` (a 101)                   502 ``UpstreamFailed``: switched protocols
+``HttpParserError`` (the parser's)              502 ``UpstreamFailed``, naming llhttp's reason
+``OSError`` (the socket's)                      502 ``UpstreamFailed``, naming the class
 ==============================================  =========================================
 
 While connecting (:data:`CONNECT_FAILURES`, :func:`connect_failure`), when nothing
 was sent: ``TimeoutError`` and ``OSError`` become 502 ``UpstreamUnreachable``.
 
-The parser's errors are told apart by type only: none of its texts decides anything.
-``tests/test_aiohttp_client.py`` maps every exception class aiohttp's client and
-parser define, and checks the protocol's surface used here exists.
+llhttp's reasons are fixed strings of its own, never the bytes it was fed.
+``tests/test_client_errors.py`` maps every exception class httptools defines and
+feeds the real parser the answers behind the rows.
 """
 
 from __future__ import annotations
 
-from aiohttp.client_exceptions import ClientError
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.http import StreamWriter
-from aiohttp.http_exceptions import HttpProcessingError
+import httptools
 
 from ..errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
 
-__all__ = [
-    "CONNECT_FAILURES",
-    "FAILURES",
-    "connect_failure",
-    "map_failure",
-    "stream_writer",
-    "timed_out",
-]
+__all__ = ["CONNECT_FAILURES", "FAILURES", "connect_failure", "map_failure", "timed_out"]
 
-FAILURES = (ClientError, HttpProcessingError, OSError, TimeoutError)
-"""What an upstream connection can raise once it is open: aiohttp's client errors
-(the parser's, the protocol's), the socket's, and the read timeout."""
+FAILURES = (UpstreamError, TimeoutError, httptools.HttpParserUpgrade, httptools.HttpParserError,
+            OSError)  # fmt: skip
+"""What an upstream connection can raise once it is open, the table's rows in order."""
 
 CONNECT_FAILURES = (TimeoutError, OSError)
 """What opening a connection can raise: the connect deadline, and the socket's."""
@@ -60,10 +50,12 @@ def map_failure(exc: BaseException) -> UpstreamError:
     """What a failure met after the request may have left means to the caller."""
     if isinstance(exc, UpstreamError):
         return exc
-    if isinstance(exc, TimeoutError):  # before ClientError: aiohttp's read timeout is both
+    if isinstance(exc, TimeoutError):
         return timed_out()
-    if isinstance(exc, HttpProcessingError):
-        reason = str(exc.message).splitlines()[0] if exc.message else "unparseable"
+    if isinstance(exc, httptools.HttpParserUpgrade):
+        return UpstreamFailed("the upstream switched protocols, which is not proxied")
+    if isinstance(exc, httptools.HttpParserError):
+        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         return UpstreamFailed(
             f"the upstream's answer was malformed ({reason}); it may have applied the write"
         )
@@ -81,8 +73,3 @@ def connect_failure(exc: BaseException, connect_timeout: float) -> UpstreamUnrea
     return UpstreamUnreachable(
         f"could not connect to the upstream: {strerror or type(exc).__name__}"
     )
-
-
-def stream_writer(conn: ResponseHandler) -> StreamWriter:
-    """aiohttp's request writer on ``conn``."""
-    return StreamWriter(conn, conn._loop)  # the protocol's loop, kept under a private name

@@ -1,0 +1,849 @@
+"""The data plane: the proxy's port, served by one :class:`asyncio.Protocol` per
+client connection on llhttp (:mod:`fenceproxy.http.httptools_parser`), with a
+:class:`~fenceproxy.http.request.Request` per request and no web framework between
+the socket and the handler. The head is read once, fields kept as the bytes that
+came and as one case-insensitive mapping; an answer goes out in one write when it
+is whole.
+
+What a client may hold of the proxy (``limits:`` in the config, nginx's defaults):
+
+* **the request head** must arrive within ``header_timeout`` of its first byte (or of
+  the connection's opening): 408 and the connection is closed;
+* **the head's size**: a request line or a field above ``MAX_LINE`` bytes, or more
+  than ``MAX_FIELDS`` fields, is 431;
+* **open connections** are capped at ``max_connections``, lowered at start to fit
+  the descriptor limit (each may need an upstream connection too). A connection
+  beyond the cap closes the least recently active one that the proxy is not working
+  for (idle, or still sending its request), so a live client is still served while
+  stalled ones hold the cap; only when every connection is being worked for is the
+  newcomer refused with 503;
+* **an idle keep-alive connection** is closed after ``keepalive_timeout``;
+* **pipelined requests** are read one ahead of the one being answered, then the
+  connection stops reading until it is answered; answers go out in order.
+
+Bodies are read through :class:`~fenceproxy.http.edge.Bodies`, which holds them to
+their limits and their timeouts.
+
+HTTP/1.1 as clients use it:
+
+* **``Expect: 100-continue``** (curl above 1 KiB, botocore on every upload) gets
+  ``100 Continue`` once the request has passed every check that needs no body, just
+  before its body is first read (:meth:`Request.send_continue`), once, and only in
+  HTTP/1.1; in HTTP/1.0 it is ignored. Any other expectation gets 417;
+* **an answer given before the request's body is all in** (a refusal on the head,
+  413 by ``Content-Length``, 408 or 503 mid-body, 417, or a client still sending)
+  says ``Connection: close`` (RFC 9110 §10.1.1): neither the body nor a request the
+  client sends behind it is ever read as a request. The answer ends with the
+  proxy's FIN; then the connection lingers, dropping what the client still sends
+  so it is not reset before it reads the answer, until the client closes, for at
+  most ``LINGER_FOR`` (1 s) and ``LINGER_BYTES`` (1 MiB), and is closed. A
+  lingering connection is not worked for, so the cap may take it back.
+
+What the parser refuses (framing, a line too long, too many fields, another HTTP
+version, the HTTP/2 preface) is answered as a problem after the answers owed before
+it, logged in one line, and the connection closed. A request that asks for another
+protocol (``Upgrade``) is answered as plain HTTP/1.1, then the connection is
+closed: nothing sent behind it is read as a request.
+
+A handler runs to its end even when its client leaves (a fenced write must settle),
+unless the plane is made with ``handler_cancellation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+from yarl import URL
+
+from ..config import LimitsSpec
+from ..errors import (
+    ExpectationFailed,
+    HeaderTimeout,
+    InternalError,
+    ProxyBusy,
+    Refusal,
+    RequestHeadTooLarge,
+    RequestMalformed,
+    RequestTargetMalformed,
+    UpstreamError,
+    VersionNotSupported,
+)
+from ..log import proxy_log, server_log
+from .answer import Answer, head_bytes, problem_answer, raw_problem
+from .body import Flow
+from .edge import LINGER_BYTES, LINGER_FOR, Every, connection_cap
+from .httptools_parser import HttpRequestParser, ParserUpgrade, parser_refusal
+from .request import HTTP10, HTTP11, NONE_NAMED, Body, Request, Version, connection_named
+
+__all__ = ["MAX_FIELDS", "MAX_LINE", "Connection", "DataPlane", "Handler", "Listener"]
+
+Handler = Callable[[Request], Awaitable[Answer]]
+
+MAX_LINE = 8190
+"""The longest request line, and the longest field name or value (nginx: 8k)."""
+MAX_FIELDS = 100
+"""The most fields in a request head."""
+# The most bytes of one head the parser may hold before it is refused: every field
+# at its longest.
+_MAX_HEAD = MAX_LINE + MAX_FIELDS * (2 * MAX_LINE + 4)
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# RFC 9110's fields that appear once; a second is refused, as aiohttp's parser does.
+_SINGLETONS = frozenset(
+    {
+        b"content-length",
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"host",
+        b"max-forwards",
+        b"server",
+        b"transfer-encoding",
+        b"user-agent",
+    }
+)
+_NO_BODY = frozenset({204, 304})
+_READ_AHEAD = "a request read ahead"  # what holds reading while one is queued
+_NEVER = float("inf")
+_TERMINAL_CHUNK = b"0\r\n\r\n"
+
+
+class _Refused:
+    """A place in the connection's order of answers for a refusal of what came in
+    (the parser's, the head's deadline): answered in turn, then the connection closes.
+    A head that could not be read at all is answered in HTTP/1.0, which every client
+    reads; one refused for what it says (its version, its expectation, its target)
+    in HTTP/1.1."""
+
+    __slots__ = ("refusal", "version")
+
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+        unread = isinstance(refusal, RequestMalformed | RequestHeadTooLarge)
+        self.version = HTTP10 if unread else HTTP11
+
+
+class DataPlane:
+    """The proxy's port: makes a :class:`Connection` for each client (it is the
+    protocol factory), keeps the cap on them, and shuts them down."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        limits: LimitsSpec,
+        *,
+        max_connections: int | None = None,
+        access_log: logging.Logger | None = None,
+        handler_cancellation: bool = False,
+    ) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.max_connections = max_connections or connection_cap(limits.max_connections)
+        self.access_log = access_log
+        self.handler_cancellation = handler_cancellation
+        # Every open connection, least recently active first.
+        self._open: OrderedDict[Connection, None] = OrderedDict()
+        self.connections: set[Connection] = set()
+        """Every connection not yet lost, whether the cap counts it or not."""
+        self.shutting_down = False
+        self.log = Every()
+        """Rate-limited lines about the door."""
+        self._ticker: asyncio.TimerHandle | None = None
+
+    def __call__(self) -> Connection:
+        return Connection(self)
+
+    def reconfigure(self, limits: LimitsSpec) -> None:
+        """Hold every connection to ``limits`` from now on (a reload): a new connection
+        gets the new keep-alive timeout, a new request head the new deadline, and
+        the cap applies at the next connection."""
+        self.limits = limits
+        self.max_connections = connection_cap(limits.max_connections)
+
+    @property
+    def tick(self) -> float:
+        """How often the connections' deadlines are looked at: a quarter of the shorter
+        of the head and keep-alive timeouts, at most a second. A deadline is met to
+        within it."""
+        limits = self.limits
+        return min(1.0, max(0.01, min(limits.header_timeout, limits.keepalive_timeout) / 4))
+
+    def _watch(self) -> None:
+        """Look at every connection's deadline (:meth:`Connection.expire`), once a
+        tick, while there are connections: one timer for them all, rather than two
+        set and cancelled per request."""
+        self._ticker = None
+        if not self.connections:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for conn in [c for c in self.connections if c.due <= now]:
+            conn.expire()
+        self._ticker = loop.call_later(self.tick, self._watch)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    def opened(self, conn: Connection) -> bool:
+        """Count a new connection in; False when it must be refused."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(self.tick, self._watch)
+        self._open[conn] = None
+        if len(self._open) <= self.max_connections:
+            return True
+        victim = next(c for c in self._open if c is conn or not c.busy())
+        if victim is conn:
+            del self._open[conn]
+            self.log(
+                logging.WARNING,
+                "refused a connection: all %d connections are being worked for "
+                "(limits.max_connections)",
+                self.max_connections,
+            )
+            return False
+        self.log(
+            logging.WARNING,
+            "at %d connections (limits.max_connections): closed the least recently "
+            "active one not being worked for",
+            self.max_connections,
+        )
+        self._open.pop(victim, None)
+        victim.abort()
+        return True
+
+    def touched(self, conn: Connection) -> None:
+        if conn in self._open:
+            self._open.move_to_end(conn)
+
+    def closed(self, conn: Connection) -> None:
+        self._open.pop(conn, None)
+        self.connections.discard(conn)
+
+    def pre_shutdown(self) -> None:
+        """Take no more requests: idle connections close now, the others once the
+        answers they owe are sent."""
+        self.shutting_down = True
+        for conn in list(self.connections):
+            conn.close_when_done()
+
+    async def shutdown(self, within: float) -> None:
+        """Let the requests in hand finish for up to ``within`` seconds, then cancel
+        what is left and close every connection."""
+        self.pre_shutdown()
+        tasks = [t for t in (c.task for c in self.connections) if t is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=within)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for conn in list(self.connections):
+            conn.abort()
+
+
+class _Lingering:
+    """A connection that answered before its request's body was in, dropping what the
+    client still sends: done once the client closes or ``LINGER_BYTES`` came."""
+
+    __slots__ = ("_dropped", "_left")
+
+    def __init__(self, left: asyncio.Future[None]) -> None:
+        self._left = left
+        self._dropped = 0
+
+    def drop(self, size: int) -> None:
+        self._dropped += size
+        if self._dropped >= LINGER_BYTES:
+            self.end()
+
+    def end(self) -> None:
+        if not self._left.done():
+            self._left.set_result(None)
+
+
+class Connection(Flow):
+    """One client connection: llhttp's callbacks build each request, the handler
+    answers them one at a time, in order."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        super().__init__()
+        self._plane = plane
+        self._loop = asyncio.get_running_loop()
+        self.peer: str | None = None
+        self._parser = HttpRequestParser(self)
+        # The head being parsed.
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._head_size = 0
+        self._in_head = False
+        self._receiving: Request | None = None  # the request whose body is arriving
+        self._upgrade_left = 0  # body bytes of an Upgrade request llhttp left to us
+        self._parsing = True  # False once nothing more is read as a request
+        self._queue: deque[Request | _Refused] = deque()
+        self.task: asyncio.Task[None] | None = None
+        """Answering the requests in the queue, if there are any."""
+        self._owes_continue: Request | None = None
+        self.due = _NEVER
+        """The loop's time when what the connection waits for is late (its request
+        head, or its next request), looked at by :meth:`DataPlane._watch`."""
+        self._waits_for: str | None = None  # "head" or "idle"
+        self._closing = False  # closed once the answers owed are sent
+        self._lost = False
+        self._lingering: _Lingering | None = None
+
+    # -- the transport's side ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else None
+        plane = self._plane
+        plane.connections.add(self)
+        if plane.shutting_down or not plane.opened(self):
+            transport.write(
+                raw_problem(
+                    ProxyBusy(
+                        f"the proxy has {plane.max_connections} connections open, all "
+                        "being worked for (limits.max_connections); retry",
+                        retry_after=1.0,
+                    )
+                )
+            )
+            self._parsing = False
+            transport.close()
+            return
+        self._wait("head", plane.limits.header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            self._lingering.drop(len(data))  # never parsed, never buffered
+            return
+        self._plane.touched(self)
+        if self._upgrade_left:
+            self._take_upgrade_body(data)
+            return
+        if not self._parsing:
+            return
+        if self._in_head or self._receiving is None:
+            self._head_size += len(data)
+        try:
+            if self._head_size > _MAX_HEAD:
+                raise RequestHeadTooLarge(_too_large())
+            self._parser.feed_data(data)
+        except ParserUpgrade as upgrade:
+            self._upgraded(data[upgrade.args[0] :])
+        except Refusal as refusal:
+            self._refuse_input(refusal)
+        except Exception as exc:  # httptools' errors: the table in httptools_parser
+            self._refuse_input(parser_refusal(exc))
+
+    def eof_received(self) -> bool:
+        """The client will send no more: a body cut short fails; answers owed still go
+        out, then the connection closes."""
+        receiving = self._receiving
+        if receiving is not None:
+            receiving.body.fail(ConnectionResetError("the client closed mid-body"))
+        self._parsing = False
+        if self._lingering is not None:
+            self._lingering.end()
+            return False
+        if not self._queue:
+            return False  # nothing owed: the transport closes itself
+        self._closing = True
+        return True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost = True
+        self._plane.closed(self)
+        self._wait(None)
+        if self._lingering is not None:  # the client is gone: nothing more to drop
+            self._lingering.end()
+        lost = ConnectionResetError("the client's connection closed")
+        for item in self._queue:
+            if isinstance(item, Request):
+                item.body.fail(lost)
+                item.body.discard()
+        self.flow_lost()
+        if self.task is not None and self._plane.handler_cancellation:
+            self.task.cancel()
+
+    # -- llhttp's callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._url = b""
+        self._fields = []
+        if self._waits_for != "head":  # the first head's deadline runs from the opening
+            self._wait("head", self._plane.limits.header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_LINE:
+            raise RequestHeadTooLarge(_too_large())
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a trailer field: not forwarded, never read
+        if len(name) > MAX_LINE or len(value) > MAX_LINE or len(self._fields) >= MAX_FIELDS:
+            raise RequestHeadTooLarge(_too_large())
+        self._fields.append((name, value.rstrip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_size = 0
+        self._wait(None)
+        request = self._request()
+        self._receiving = request
+        self._queue.append(request)
+        if len(self._queue) > 1:
+            self.hold_reading(_READ_AHEAD)  # one request read ahead, no more
+        self._answer_in_turn()
+
+    def on_body(self, data: bytes) -> None:
+        receiving = self._receiving
+        if receiving is not None:
+            receiving.body.feed(data)
+
+    def on_message_complete(self) -> None:
+        receiving = self._receiving
+        if receiving is None or receiving.upgrade:
+            return  # an Upgrade request's body, if any, is taken by _upgraded
+        receiving.body.finish()
+        self._receiving = None
+
+    # -- reading requests -------------------------------------------------------------
+
+    def _request(self) -> Request:
+        """The request llhttp has read the head of; Refusal when it cannot be taken."""
+        parser = self._parser
+        version = _version(parser.get_http_version())
+        if version is None:
+            raise VersionNotSupported(
+                f"this proxy speaks HTTP/1.1 and HTTP/1.0, not HTTP/{parser.get_http_version()}"
+            )
+        method = parser.get_method().decode("ascii")
+        target = self._url.decode("utf-8", "surrogateescape")
+        fields = self._fields
+        seen: set[bytes] = set()
+        length: int | None = None
+        coding: bytes | None = None
+        expect: list[bytes] = []
+        named = NONE_NAMED
+        for name, value in fields:
+            lower = name.lower()
+            if lower in _SINGLETONS:
+                if lower in seen:
+                    raise RequestMalformed(
+                        f"the request is not valid HTTP/1.1: a second {name.decode()} field"
+                    )
+                seen.add(lower)
+                if lower == b"content-length":
+                    length = int(value)
+                elif lower == b"transfer-encoding":
+                    coding = value  # llhttp refused any whose final coding is not chunked
+            elif lower == b"expect":
+                expect.append(value)
+            elif lower == b"connection":
+                named = connection_named(fields)
+        if version == HTTP11 and b"host" not in seen:
+            raise RequestMalformed("the request is not valid HTTP/1.1: it has no Host field")
+        path, query = _split_target(target, method)
+        upgrade = parser.should_upgrade()
+        request = Request(
+            self, method, target, path, query, version, fields,
+            content_length=length, coding=coding,
+            keep_alive=parser.should_keep_alive() and not upgrade, upgrade=upgrade, named=named,
+        )  # fmt: skip
+        if expect and _expects_continue(expect) and version == HTTP11:
+            self._owes_continue = request  # ignored in HTTP/1.0 (RFC 9110 §10.1.1)
+        if upgrade and coding is not None:
+            raise RequestMalformed(
+                "the request is not valid HTTP/1.1: a chunked body with Upgrade is not read"
+            )
+        return request
+
+    def _upgraded(self, rest: bytes) -> None:
+        """llhttp stops at the head of a request that asks for another protocol:
+        nothing after it is read as a request; its body, when it declares one, is
+        taken as its length says."""
+        self._parsing = False
+        request = self._receiving
+        if request is None:
+            return
+        self._upgrade_left = request.content_length or 0
+        if not self._upgrade_left:
+            request.body.finish()
+            self._receiving = None
+            return
+        self._take_upgrade_body(rest)
+
+    def _take_upgrade_body(self, data: bytes) -> None:
+        request = self._receiving
+        assert request is not None
+        part = data[: self._upgrade_left]
+        self._upgrade_left -= len(part)
+        if part:
+            request.body.feed(part)
+        if not self._upgrade_left:
+            request.body.finish()
+            self._receiving = None
+
+    def _refuse_input(self, refusal: Refusal) -> None:
+        """What came in cannot be read as a request: the refusal is answered once the
+        answers owed before it are sent, and nothing more is read."""
+        self._parsing = False
+        self._in_head = False
+        self._wait(None)
+        receiving = self._receiving
+        if receiving is not None and receiving in self._queue:
+            # Its head was read: the refusal is its body's (broken framing).
+            receiving.body.fail(refusal)
+            self._receiving = None
+            return
+        self._plane.log(
+            logging.INFO,
+            "refused a malformed request (%d %s): %s",
+            refusal.status,
+            refusal.slug,
+            refusal.detail,
+        )
+        self._queue.append(_Refused(refusal))
+        self._answer_in_turn()
+
+    def _wait(self, what: str | None, seconds: float = 0.0) -> None:
+        """Wait for ``what`` (``head``, ``idle``), ``seconds`` at most; None: for nothing."""
+        self._waits_for = what
+        self.due = _NEVER if what is None else self._loop.time() + seconds
+
+    def expire(self) -> None:
+        """What the connection waited for is late (:attr:`due`)."""
+        what = self._waits_for
+        self._wait(None)
+        if what == "head":
+            self._head_too_slow()
+        elif what == "idle" and self.transport is not None:
+            self.transport.close()
+
+    def _head_too_slow(self) -> None:
+        timeout = self._plane.limits.header_timeout
+        self._plane.log(logging.INFO, "closed a connection: no request head within %gs", timeout)
+        self._refuse_input(HeaderTimeout(f"the request head did not arrive within {timeout:g}s"))
+
+    def reading_again(self) -> None:
+        if self._lingering is None:  # a lingering connection reads, and drops, anyway
+            super().reading_again()
+
+    def send_continue(self, request: Request) -> None:
+        if self._owes_continue is not request:
+            return
+        self._owes_continue = None
+        body = request.body
+        if body.done or body.received or body.failed is not None:
+            return
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_CONTINUE)
+
+    # -- answering ----------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether the proxy is working for this client: its request is in whole and
+        being answered (not idle, not still sending, not lingering)."""
+        if self.task is None or not self._queue or self._lingering is not None:
+            return False
+        first = self._queue[0]
+        return isinstance(first, _Refused) or first.body.done
+
+    def close_when_done(self) -> None:
+        """Close now if no request is in hand, else once the answers owed are sent
+        (a body still arriving is read to its end)."""
+        self._closing = True
+        if self.task is None and self._receiving is None and self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _answer_in_turn(self) -> None:
+        if self.task is None:
+            self.task = self._loop.create_task(self._answer_all())
+
+    async def _answer_all(self) -> None:
+        queue = self._queue
+        try:
+            while queue and not self._lost:
+                item = queue[0]
+                if isinstance(item, _Refused):
+                    if await self._send(item, problem_answer(item.refusal), close=True):
+                        await self._linger(None)
+                    return
+                if not await self._answer(item):
+                    return
+                queue.popleft()
+                self.release_reading(_READ_AHEAD)
+        finally:
+            self.task = None
+            if not self._lost and self.transport is not None:
+                self._after_answers()
+
+    def _after_answers(self) -> None:
+        transport = self.transport
+        assert transport is not None
+        if self._closing or not self._parsing:
+            transport.close()
+        elif not self._queue and not self._in_head and self._receiving is None:
+            self._wait("idle", self._plane.limits.keepalive_timeout)
+
+    async def _answer(self, request: Request) -> bool:
+        """Answer ``request``; whether the connection goes on."""
+        try:
+            answer = await self._plane.handler(request)
+        except Exception:  # a bug: logged with its traceback, answered 500
+            server_log.exception("Error handling request")
+            answer = problem_answer(
+                InternalError("the proxy failed on this request; nothing was forwarded")
+            )
+            answer.close = True
+        body = request.body
+        unread = not body.done
+        close = unread or answer.close or self._closing or not request.keep_alive or request.upgrade
+        if self._owes_continue is request:
+            self._owes_continue = None
+        sent = await self._send(request, answer, close=close)
+        if unread and sent:
+            self._parsing = False
+            await self._linger(body)
+            return False
+        if close:
+            self._parsing = False
+            return False
+        return sent
+
+    async def _send(self, to: Request | _Refused, answer: Answer, *, close: bool) -> bool:
+        """Write ``answer`` out; whether all of it went."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            _finish(answer)
+            return False
+        request = to if isinstance(to, Request) else None
+        version = "HTTP/1.0" if to.version == HTTP10 else "HTTP/1.1"
+        no_body = answer.status in _NO_BODY
+        head_only = no_body or (request is not None and request.method == "HEAD")
+        sent = 0
+        try:
+            if answer.stream is None:
+                head = head_bytes(
+                    answer, version, close=close, length=not no_body,
+                    keep_alive_10=version == "HTTP/1.0" and not close,
+                )  # fmt: skip
+                if head_only or not answer.body:
+                    transport.write(head)
+                else:
+                    transport.write(head + answer.body)
+                    sent = len(answer.body)
+                ok = True
+            else:
+                ok, sent = await self._stream(answer, version, close, head_only)
+        finally:
+            _finish(answer)
+        if self._plane.access_log is not None and request is not None:
+            self._log_access(request, answer.status, sent)
+        return ok
+
+    async def _stream(
+        self, answer: Answer, version: str, close: bool, head_only: bool
+    ) -> tuple[bool, int]:
+        """Relay an answer whose body is still arriving (its length framed as the
+        upstream framed it, or chunked). If the upstream breaks off, or the client
+        takes nothing for ``send_timeout``, the connection is cut, so the client
+        never takes a cut answer for a whole one."""
+        transport = self.transport
+        assert transport is not None
+        assert answer.stream is not None
+        framed = answer.framed or head_only
+        chunked = not framed and version == "HTTP/1.1"
+        if not framed and not chunked:
+            close = True  # HTTP/1.0: the end of the body is the end of the connection
+        head = head_bytes(answer, version, close=close, length=False, chunked=chunked,
+                          keep_alive_10=version == "HTTP/1.0" and not close)  # fmt: skip
+        sent = 0
+        timeout = self._plane.limits.send_timeout
+        try:
+            transport.write(head)
+            if not head_only:
+                if answer.body:
+                    _write(transport, answer.body, chunked)
+                    sent += len(answer.body)
+                async for chunk in answer.stream:
+                    if self._lost:
+                        return False, sent  # the client went away
+                    _write(transport, chunk, chunked)
+                    sent += len(chunk)
+                    if self._write_paused:
+                        async with asyncio.timeout(timeout):
+                            await self.drain()
+                if chunked:
+                    transport.write(_TERMINAL_CHUNK)
+        except UpstreamError as exc:
+            proxy_log.warning("upstream answer cut short: %s", exc.detail)
+            transport.abort()
+            return False, sent
+        except TimeoutError:
+            proxy_log.info("the client took no part of the answer for %gs: closed", timeout)
+            transport.abort()
+            return False, sent
+        except ConnectionError:
+            return False, sent  # the client went away
+        if close:
+            self._closing = True
+        return True, sent
+
+    async def _linger(self, body: Body | None) -> None:
+        """After an answer given before the body was in: end the answer with our side's
+        FIN, then drop what the client still sends, below the parser, until it
+        closes, for ``LINGER_FOR`` at most and ``LINGER_BYTES`` at most, so that a
+        client still sending is not reset before it has read the answer. Not being
+        worked for, the connection may be taken back by the cap meanwhile."""
+        if body is not None:
+            body.discard()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        left = self._loop.create_future()
+        self._lingering = _Lingering(left)
+        self._held.clear()
+        with contextlib.suppress(RuntimeError):
+            transport.resume_reading()  # the body may have paused it, full
+        try:
+            async with asyncio.timeout(LINGER_FOR):
+                await left
+        except TimeoutError:
+            pass  # gone quiet: closed all the same
+        finally:
+            self._lingering = None
+        self._closing = True
+
+    def _log_access(self, request: Request, status: int, sent: int) -> None:
+        log = self._plane.access_log
+        assert log is not None
+        if not log.isEnabledFor(logging.INFO):
+            return
+        headers = request.headers
+        log.info(
+            '%s [%s] "%s %s HTTP/%d.%d" %d %d "%s" "%s"',
+            self.peer or "-",
+            time.strftime("%d/%b/%Y:%H:%M:%S %z"),
+            request.method,
+            request.target,
+            request.version.major,
+            request.version.minor,
+            status,
+            sent,
+            headers.get("Referer", "-"),
+            headers.get("User-Agent", "-"),
+        )
+
+
+def _write(transport: asyncio.Transport, chunk: bytes, chunked: bool) -> None:
+    if chunked:
+        transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+    else:
+        transport.write(chunk)
+
+
+def _finish(answer: Answer) -> None:
+    if answer.finish is not None:
+        finish, answer.finish = answer.finish, None
+        finish()
+
+
+def _version(text: str) -> Version | None:
+    if text == "1.1":
+        return HTTP11
+    if text == "1.0":
+        return HTTP10
+    return None
+
+
+def _too_large() -> str:
+    return (
+        f"the request line or a header is longer than {MAX_LINE} bytes, "
+        f"or there are more than {MAX_FIELDS} headers"
+    )
+
+
+def _split_target(target: str, method: str) -> tuple[str, str]:
+    """The path and query of a request target: origin-form as sent, absolute-form
+    read by yarl. RequestTargetMalformed for what names no path."""
+    if target.startswith("/"):
+        path, _, query = target.partition("?")
+        if "#" in path:
+            path = path.partition("#")[0]
+        return path, query.partition("#")[0]
+    if method == "CONNECT":
+        raise RequestTargetMalformed("CONNECT is not proxied: a request must name a path")
+    try:
+        url = URL(target, encoded=True)
+        url.host  # noqa: B018 - a host that is not a valid name raises here
+    except ValueError:  # UnicodeError included: yarl could not read the host
+        raise RequestTargetMalformed("the request target's host is not a valid name") from None
+    return url.raw_path, url.raw_query_string
+
+
+def _expects_continue(fields: list[bytes]) -> bool:
+    """Whether the request's ``Expect`` fields ask for 100-continue (False when they
+    ask for nothing); ExpectationFailed when they ask for anything else (the value
+    is never quoted back)."""
+    asked = {member.strip().lower() for field in fields for member in field.split(b",")} - {b""}
+    if asked <= {b"100-continue"}:
+        return bool(asked)
+    raise ExpectationFailed(
+        "the only expectation this proxy meets is 100-continue; send the request without the others"
+    )
+
+
+class Listener:
+    """A :class:`DataPlane` listening on a TCP address: ``listen`` opens it, ``close``
+    stops taking connections and shuts the plane down within ``shutdown_timeout``."""
+
+    def __init__(self, plane: DataPlane, shutdown_timeout: float = 60.0) -> None:
+        self.server = plane
+        self._shutdown_timeout = shutdown_timeout
+        self._servers: list[asyncio.Server] = []
+
+    async def listen(
+        self, host: str | None, port: int, *, reuse_port: bool = False, backlog: int = 128
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            self.server, host, port, reuse_address=True, reuse_port=reuse_port or None,
+            backlog=backlog,
+        )  # fmt: skip
+        self._servers.append(server)
+
+    async def listen_on(self, sock: Any) -> None:
+        """Serve a socket already bound and listening (a test's)."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(self.server, sock=sock)
+        self._servers.append(server)
+
+    @property
+    def ports(self) -> list[int]:
+        return [sock.getsockname()[1] for server in self._servers for sock in server.sockets or ()]
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        self._servers.clear()
+        await self.server.shutdown(self._shutdown_timeout)
