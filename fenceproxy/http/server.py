@@ -650,7 +650,9 @@ class Connection(Flow):
                 else:
                     transport.write(head + answer.body)
                     sent = len(answer.body)
-                ok = True
+                # Before the next request is read: a client that pipelines and reads
+                # nothing never has the proxy hold its answers in memory.
+                ok = await self._flushed()
             else:
                 ok, sent = await self._stream(answer, version, close, head_only)
         finally:
@@ -676,7 +678,6 @@ class Connection(Flow):
         head = head_bytes(answer, version, close=close, length=False, chunked=chunked,
                           keep_alive_10=version == "HTTP/1.0" and not close)  # fmt: skip
         sent = 0
-        timeout = self._plane.limits.send_timeout
         try:
             transport.write(head)
             if not head_only:
@@ -688,24 +689,35 @@ class Connection(Flow):
                         return False, sent  # the client went away
                     _write(transport, chunk, chunked)
                     sent += len(chunk)
-                    if self._write_paused:
-                        async with asyncio.timeout(timeout):
-                            await self.drain()
+                    if not await self._flushed():
+                        return False, sent
                 if chunked:
                     transport.write(_TERMINAL_CHUNK)
         except UpstreamError as exc:
             proxy_log.warning("upstream answer cut short: %s", exc.detail)
             transport.abort()
             return False, sent
-        except TimeoutError:
-            proxy_log.info("the client took no part of the answer for %gs: closed", timeout)
-            transport.abort()
-            return False, sent
-        except ConnectionError:
-            return False, sent  # the client went away
         if close:
             self._closing = True
         return True, sent
+
+    async def _flushed(self) -> bool:
+        """Wait until the client takes what was written, ``send_timeout`` at most;
+        False when it is gone, or took nothing for that long (its connection cut)."""
+        if not self._write_paused:
+            return not self._lost
+        timeout = self._plane.limits.send_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self.drain()
+        except TimeoutError:
+            proxy_log.info("the client took no part of the answer for %gs: closed", timeout)
+            if self.transport is not None:
+                self.transport.abort()
+            return False
+        except ConnectionError:
+            return False  # the client went away
+        return True
 
     async def _linger(self, body: Body | None) -> None:
         """After an answer given before the body was in: end the answer with our side's

@@ -1,0 +1,312 @@
+"""The data plane's HTTP/1.1 on raw sockets, against a real proxy and an upstream
+that answers exactly the bytes a test scripts: pipelined requests answered in
+order without the proxy reading far ahead or holding answers a client does not
+read, relayed answers framed as their upstream framed them (HEAD, close-delimited,
+to HTTP/1.0 clients), a Date added only where the upstream sent none, the fields
+that must come once and Host refused when wrong, and keep-alive deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from fenceproxy.testing import RawRequest, RawUpstream, RecordingUpstream, eventually, listening
+
+from .conftest import ProxyFactory, raw_request
+
+Client = TestClient[Any, Any]
+FENCE = b"Fencing-Job: j\r\nFencing-Token: 1\r\n"
+
+
+def write(path: bytes = b"/billing/x", body: bytes = b"{}", extra: bytes = b"") -> bytes:
+    return (
+        b"POST " + path + b" HTTP/1.1\r\nHost: a\r\n" + FENCE + extra
+        + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    async with RawUpstream.serve() as upstream:
+        yield upstream
+
+
+@pytest.fixture
+async def raw_proxy(start_proxy: ProxyFactory, raw_upstream: RawUpstream) -> Client:
+    return await start_proxy(
+        [
+            {"name": "billing", "path": "/billing/", "upstream": raw_upstream.url},
+            {"name": "open", "path": "/open/", "upstream": raw_upstream.url, "fence": False},
+        ]
+    )
+
+
+def answers(raw: bytes) -> list[tuple[int, bytes]]:
+    """Each answer on a connection in order: its status and its body (by length)."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = RawRequest(head, b"").values("Content-Length")
+        size = int(length[0]) if length else 0
+        out.append((status, rest[:size]))
+        raw = rest[size:]
+    return out
+
+
+# -- pipelining ------------------------------------------------------------------------
+
+
+async def test_pipelined_requests_are_answered_in_order_each_forwarded_once(
+    raw_proxy: Client, raw_upstream: RawUpstream
+) -> None:
+    paths = [b"/open/a", b"/billing/b", b"/open/c", b"/billing/d"]
+    data = b"".join(write(p, b'{"n": %d}' % n) for n, p in enumerate(paths))
+    data += b"GET /open/last HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    async with asyncio.timeout(10):
+        raw = await raw_request(raw_proxy.port, data)
+    assert [status for status, _ in answers(raw)] == [200] * 5
+    assert [r.target for r in raw_upstream.received] == [
+        *(p.decode() for p in paths),
+        "/open/last",
+    ]
+    assert [r.body for r in raw_upstream.received[:4]] == [b'{"n": %d}' % n for n in range(4)]
+
+
+async def test_a_client_that_pipelines_and_reads_nothing_is_not_read_far_ahead(
+    start_proxy: ProxyFactory,
+) -> None:
+    """20,000 requests sent at once, each answered with 4 KiB (80 MiB in all, far
+    beyond what loopback's socket buffers hold): once the client's socket is full the
+    proxy stops answering, so it stops reading too, and holds neither the client's
+    requests nor their answers in memory; a client that reads nothing for
+    ``send_timeout`` is cut."""
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"a" * 4096
+    seen: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                seen.append(1)
+                writer.write(big)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async with listening(serve) as url:
+        route = {"name": "open", "path": "/open/", "upstream": url, "fence": False}
+        proxy = await start_proxy([route], limits={"send_timeout": "1s"})
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"GET /open/x HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000)
+        async with asyncio.timeout(30):
+            await eventually(lambda: len(seen) > 0)
+            await asyncio.sleep(2)  # the send timeout runs out; nothing is read meanwhile
+            asked = len(seen)
+            rest = await reader.read()  # the proxy cut the connection
+        writer.close()
+    # The socket buffers took some answers; the proxy asked for no more than those.
+    assert asked < 10_000, asked
+    assert len(rest) < 10_000 * 4096
+
+
+async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """While the upstream holds the first request, the client pipelines 16 MiB more
+    (2,000 requests of 8 KiB heads): the proxy reads one request ahead and stops, so
+    the client's socket fills and its writes wait; once the first is answered, the
+    rest are read and answered in order."""
+    release = upstream.hold()
+    route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
+    proxy = await start_proxy([route])
+    _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"GET /open/first HTTP/1.1\r\nHost: a\r\n\r\n")
+    await upstream.wait_for(1)
+    padding = b"X-Pad: " + b"p" * 8000 + b"\r\n"
+    behind = b"GET /open/n HTTP/1.1\r\nHost: a\r\n" + padding + b"\r\n"
+    writer.write(behind * 2000)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(writer.drain(), 2)  # the proxy stopped reading
+    assert len(upstream.received) == 1
+    release()
+    async with asyncio.timeout(30):
+        await writer.drain()
+        await upstream.wait_for(2001)
+    writer.close()
+    assert [r.path_qs for r in upstream.received] == ["/open/first", *["/open/n"] * 2000]
+
+
+# -- relayed answers, framed as their upstream framed them -------------------------------
+
+
+@asynccontextmanager
+async def scripted(answer: bytes, close: bool = False) -> AsyncIterator[str]:
+    """An upstream that answers every request with ``answer`` (closing after it when
+    ``close``)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = RawRequest(head[:-4], b"").values("Content-Length")
+                await reader.readexactly(int(length[0]) if length else 0)
+                writer.write(answer)
+                await writer.drain()
+                if close:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async with listening(serve) as url:
+        yield url
+
+
+Start = Callable[[str], Any]
+
+
+@pytest.fixture
+def open_route(start_proxy: ProxyFactory) -> Start:
+    async def start(url: str) -> Client:
+        return await start_proxy([{"name": "o", "path": "/o/", "upstream": url, "fence": False}])
+
+    return start
+
+
+async def test_a_head_answer_keeps_its_length_and_has_no_body(open_route: Start) -> None:
+    async with scripted(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nX-A: 1\r\n\r\n") as url:
+        proxy = await open_route(url)
+        data = b"HEAD /o/x HTTP/1.1\r\nHost: a\r\n\r\n" * 2
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(data)
+        async with asyncio.timeout(5):
+            first = await reader.readuntil(b"\r\n\r\n")
+            second = await reader.readuntil(b"\r\n\r\n")  # the connection goes on
+        writer.close()
+    for head in (first, second):
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"\r\nContent-Length: 99\r\n" in head
+        assert b"\r\nX-A: 1\r\n" in head
+
+
+@pytest.mark.parametrize(
+    ("version", "framing"),
+    [(b"1.1", b"Transfer-Encoding: chunked"), (b"1.0", b"Connection: close")],
+)
+async def test_an_answer_that_ends_with_its_connection_is_relayed_whole(
+    open_route: Start, version: bytes, framing: bytes
+) -> None:
+    """No length, not chunked: the upstream's close ends the body. An HTTP/1.1
+    client gets it chunked on a connection that goes on; an HTTP/1.0 one, ended by
+    the proxy's close."""
+    body = b"x" * 100_000
+    async with scripted(b"HTTP/1.1 200 OK\r\n\r\n" + body, close=True) as url:
+        proxy = await open_route(url)
+        async with asyncio.timeout(10):
+            raw = await raw_request(
+                proxy.port,
+                b"GET /o/x HTTP/" + version + b"\r\nHost: a\r\nConnection: close\r\n\r\n",
+            )
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert framing in head
+    if version == b"1.1":
+        chunks, size = b"", -1
+        while size:
+            line, _, rest = rest.partition(b"\r\n")
+            size = int(line, 16)
+            chunks, rest = chunks + rest[:size], rest[size + 2 :]
+        rest = chunks
+    assert rest == body
+
+
+async def test_a_date_is_added_only_where_the_upstream_sent_none(
+    start_proxy: ProxyFactory,
+) -> None:
+    dated = b"Date: Sun, 06 Nov 1994 08:49:37 GMT\r\n"
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n"
+    async with scripted(ok + dated + b"\r\n") as with_date, scripted(ok + b"\r\n") as without:
+        proxy = await start_proxy(
+            [
+                {"name": "d", "path": "/d/", "upstream": with_date, "fence": False},
+                {"name": "n", "path": "/n/", "upstream": without, "fence": False},
+            ]
+        )
+        kept, added = [
+            await raw_request(proxy.port, b"GET /%s/x HTTP/1.1\r\nHost: a\r\n%s\r\n" % (
+                route, b"Connection: close\r\n"))
+            for route in (b"d", b"n")
+        ]  # fmt: skip
+    assert kept.count(b"\r\nDate: ") == 1
+    assert b"\r\n" + dated in kept
+    assert added.count(b"\r\nDate: ") == 1
+    assert b"\r\nVia: 1.1 fenceproxy\r\n" in added
+
+
+# -- the head -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (b"POST /billing/x HTTP/1.1\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}", b"no Host"),
+        (write(extra=b"Content-Type: a/b\r\nContent-Type: c/d\r\n"), b"a second Content-Type"),
+        (write(extra=b"User-Agent: a\r\nUser-Agent: b\r\n"), b"a second User-Agent"),
+        (b"POST /billing/x HTTP/1.0\r\n" + FENCE + b"Content-Length: 2\r\n\r\n{}", None),
+    ],
+    ids=["http-1.1-without-host", "two-content-types", "two-user-agents", "http-1.0-without-host"],
+)
+async def test_fields_that_must_come_once_and_host_are_checked(
+    raw_proxy: Client, raw_upstream: RawUpstream, data: bytes, said: bytes | None
+) -> None:
+    raw = await raw_request(raw_proxy.port, data)
+    if said is None:
+        assert raw.startswith(b"HTTP/1.0 200 "), raw
+        assert [r.body for r in raw_upstream.received] == [b"{}"]
+    else:
+        assert raw.startswith(b"HTTP/1.0 400 "), raw
+        assert said in raw
+        assert raw_upstream.received == []
+    # A well-formed request still goes through.
+    assert (await raw_request(raw_proxy.port, write(extra=b"Connection: close\r\n"))).startswith(
+        b"HTTP/1.1 200 "
+    )
+
+
+async def test_trailers_are_read_and_never_forwarded(
+    raw_proxy: Client, raw_upstream: RawUpstream
+) -> None:
+    data = (
+        b"POST /open/x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: sneaky\r\n\r\n"
+    )
+    raw = await raw_request(raw_proxy.port, data)
+    assert raw.startswith(b"HTTP/1.1 200 ")
+    [received] = raw_upstream.received
+    assert received.body == b"{}"
+    assert b"sneaky" not in received.head
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    route = {"name": "open", "path": "/open/", "upstream": raw_upstream.url, "fence": False}
+    proxy = await start_proxy([route], limits={"keepalive_timeout": "300ms"})
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"GET /open/x HTTP/1.1\r\nHost: a\r\n\r\n")
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(RawRequest(head[:-4], b"").values("Content-Length")[0]))
+        started = asyncio.get_running_loop().time()
+        assert await reader.read() == b""  # closed by the proxy, no answer
+        waited = asyncio.get_running_loop().time() - started
+    writer.close()
+    assert 0.2 < waited < 2.0
