@@ -4,10 +4,17 @@ API record into it; the admin listener serves it at ``/metrics``."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from .._version import __version__
 from ..store.base import StoreServer
@@ -26,21 +33,10 @@ class Metrics:
         """The last decisions and lease calls themselves, for the operator page."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self._decisions = Counter(
-            "fenceproxy_decisions",
-            "Fenced writes by route and outcome: forwarded, replayed, or the problem kind "
-            "of the refusal (stale-generation, duplicate-in-flight, job-quarantined, ...)",
-            ["route", "outcome"],
-            registry=r,
-        )
-        self._upstream = Histogram(
-            "fenceproxy_upstream_seconds",
-            "From sending a request upstream to the head of its answer, by route and "
-            "status class (2xx ... 5xx, or error when none came)",
-            ["route", "status_class"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        # Counted on every request: plain numbers, turned into samples when scraped.
+        self._decisions: dict[tuple[str, str], int] = {}
+        self._upstream = _Latencies()
+        r.register(_PerRequest(self._decisions, self._upstream))
         self._commits = Histogram(
             "fenceproxy_store_commit_seconds",
             "How long a store transaction took, to its commit",
@@ -78,25 +74,13 @@ class Metrics:
         )
         self.store = _StoreMetrics()
         r.register(self.store)
-        self._decided: dict[tuple[str, str], Counter] = {}
-        self._answered: dict[tuple[str, int], Histogram] = {}
 
     def decided(self, route: str, outcome: str) -> None:
         key = (route, outcome)
-        counter = self._decided.get(key)
-        if counter is None:
-            counter = self._decided[key] = self._decisions.labels(route, outcome)
-        counter.inc()
+        self._decisions[key] = self._decisions.get(key, 0) + 1
 
     def upstream_answered(self, route: str, seconds: float, status: int | None) -> None:
-        # One labelled child per route and status class, looked up once: prometheus'
-        # labels() costs more than the observation.
-        key = (route, -1 if status is None else status // 100)
-        histogram = self._answered.get(key)
-        if histogram is None:
-            status_class = "error" if status is None else f"{status // 100}xx"
-            histogram = self._answered[key] = self._upstream.labels(route, status_class)
-        histogram.observe(seconds)
+        self._upstream.observe(route, -1 if status is None else status // 100, seconds)
 
     def committed(self, seconds: float, operations: int) -> None:
         self._commits.observe(seconds)
@@ -112,6 +96,63 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Latencies:
+    """``fenceproxy_upstream_seconds``'s buckets, sum and count per route and status
+    class, as plain numbers: the event loop is the only writer, so no lock."""
+
+    __slots__ = ("series",)
+
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, int], list[float]] = {}
+        """(route, status // 100 or -1) -> a count per bucket, then +Inf's, sum, count."""
+
+    def observe(self, route: str, status_class: int, seconds: float) -> None:
+        key = (route, status_class)
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = [0.0] * (len(_LATENCY_BUCKETS) + 3)
+        series[bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+        series[-2] += seconds
+        series[-1] += 1
+
+
+class _PerRequest:
+    """The metrics counted on every request, read when scraped."""
+
+    def __init__(self, decisions: dict[tuple[str, str], int], upstream: _Latencies) -> None:
+        self._decisions = decisions
+        self._upstream = upstream
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            "fenceproxy_decisions",
+            "Fenced writes by route and outcome: forwarded, replayed, or the problem kind "
+            "of the refusal (stale-generation, duplicate-in-flight, job-quarantined, ...)",
+            labels=["route", "outcome"],
+        )
+        for (route, outcome), count in sorted(self._decisions.items()):
+            decisions.add_metric([route, outcome], count)
+        yield decisions
+        upstream = HistogramMetricFamily(
+            "fenceproxy_upstream_seconds",
+            "From sending a request upstream to the head of its answer, by route and "
+            "status class (2xx ... 5xx, or error when none came)",
+            labels=["route", "status_class"],
+        )
+        for (route, status), series in sorted(self._upstream.series.items()):
+            bounds = [*(str(float(b)) for b in _LATENCY_BUCKETS), "+Inf"]
+            cumulative = list(accumulate(series[: len(bounds)]))
+            upstream.add_metric(
+                [route, "error" if status < 0 else f"{status}xx"],
+                list(zip(bounds, cumulative, strict=True)),
+                series[-2],
+            )
+        yield upstream
 
 
 class _StoreMetrics:
