@@ -1,6 +1,10 @@
 """A request as the data plane (:mod:`fenceproxy.http.server`) hands it over: its
 head, read once, and its body as it arrives. No framework object: the values a
 route, the fence and the upstream need, and nothing built that none of them reads.
+
+:func:`read_head` takes what llhttp parsed of a head and checks what llhttp leaves
+to its caller: the version (1.1 or 1.0), RFC 9110's fields that must come once,
+``Host`` in HTTP/1.1, the target's form, and ``Expect``.
 """
 
 from __future__ import annotations
@@ -8,13 +12,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from multidict import CIMultiDictProxy
+from yarl import URL
 
+from ..errors import (
+    ExpectationFailed,
+    RequestMalformed,
+    RequestTargetMalformed,
+    VersionNotSupported,
+)
 from .body import Body, read_fields
+from .httptools_parser import HttpRequestParser
 
 if TYPE_CHECKING:
     from .server import Connection
 
-__all__ = ["HTTP10", "HTTP11", "NONE_NAMED", "Body", "Request", "Version", "connection_named"]
+__all__ = [
+    "HTTP10",
+    "HTTP11",
+    "MAX_FIELDS",
+    "MAX_LINE",
+    "NONE_NAMED",
+    "Body",
+    "Request",
+    "Version",
+    "connection_named",
+    "read_head",
+    "too_large",
+]
 
 
 class Version(NamedTuple):
@@ -25,6 +49,25 @@ class Version(NamedTuple):
 HTTP10 = Version(1, 0)
 HTTP11 = Version(1, 1)
 NONE_NAMED: frozenset[bytes] = frozenset()
+MAX_LINE = 8190
+"""The longest request line, and the longest field name or value (nginx: 8k)."""
+MAX_FIELDS = 100
+"""The most fields in a request head."""
+# RFC 9110's fields that appear once; a second is refused, as aiohttp's parser does.
+_SINGLETONS = frozenset(
+    {
+        b"content-length",
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"host",
+        b"max-forwards",
+        b"server",
+        b"transfer-encoding",
+        b"user-agent",
+    }
+)
 
 
 def connection_named(fields: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -128,3 +171,101 @@ class Request:
         """``100 Continue``, once, to a client waiting for it before it sends its body;
         nothing when it asked for none, or has begun sending its body anyway."""
         self._conn.send_continue(self)
+
+
+def read_head(
+    conn: Connection, parser: HttpRequestParser, url: bytes, fields: list[tuple[bytes, bytes]]
+) -> tuple[Request, bool]:
+    """The request whose head llhttp has read (its target ``url``, its ``fields``),
+    and whether it waits for ``100 Continue``; a Refusal when it cannot be taken: a
+    version other than 1.1 and 1.0 (505), a field that must come once sent twice, an
+    HTTP/1.1 request without ``Host``, a target naming no path (400), an expectation
+    other than 100-continue (417)."""
+    version = _version(parser.get_http_version())
+    if version is None:
+        raise VersionNotSupported(
+            f"this proxy speaks HTTP/1.1 and HTTP/1.0, not HTTP/{parser.get_http_version()}"
+        )
+    method = parser.get_method().decode("ascii")
+    target = url.decode("utf-8", "surrogateescape")
+    seen: set[bytes] = set()
+    length: int | None = None
+    coding: bytes | None = None
+    expect: list[bytes] = []
+    named = NONE_NAMED
+    for name, value in fields:
+        lower = name.lower()
+        if lower in _SINGLETONS:
+            if lower in seen:
+                raise RequestMalformed(
+                    f"the request is not valid HTTP/1.1: a second {name.decode()} field"
+                )
+            seen.add(lower)
+            if lower == b"content-length":
+                length = int(value)
+            elif lower == b"transfer-encoding":
+                coding = value  # llhttp refused any whose final coding is not chunked
+        elif lower == b"expect":
+            expect.append(value)
+        elif lower == b"connection":
+            named = connection_named(fields)
+    if version == HTTP11 and b"host" not in seen:
+        raise RequestMalformed("the request is not valid HTTP/1.1: it has no Host field")
+    path, query = _split_target(target, method)
+    upgrade = parser.should_upgrade()
+    request = Request(
+        conn, method, target, path, query, version, fields,
+        content_length=length, coding=coding,
+        keep_alive=parser.should_keep_alive() and not upgrade, upgrade=upgrade, named=named,
+    )  # fmt: skip
+    if upgrade and coding is not None:
+        raise RequestMalformed(
+            "the request is not valid HTTP/1.1: a chunked body with Upgrade is not read"
+        )
+    # 100-continue is ignored in HTTP/1.0 (RFC 9110 §10.1.1).
+    return request, bool(expect) and _expects_continue(expect) and version == HTTP11
+
+
+def _version(text: str) -> Version | None:
+    if text == "1.1":
+        return HTTP11
+    if text == "1.0":
+        return HTTP10
+    return None
+
+
+def too_large() -> str:
+    return (
+        f"the request line or a header is longer than {MAX_LINE} bytes, "
+        f"or there are more than {MAX_FIELDS} headers"
+    )
+
+
+def _split_target(target: str, method: str) -> tuple[str, str]:
+    """The path and query of a request target: origin-form as sent, absolute-form
+    read by yarl. RequestTargetMalformed for what names no path."""
+    if target.startswith("/"):
+        path, _, query = target.partition("?")
+        if "#" in path:
+            path = path.partition("#")[0]
+        return path, query.partition("#")[0]
+    if method == "CONNECT":
+        raise RequestTargetMalformed("CONNECT is not proxied: a request must name a path")
+    try:
+        url = URL(target, encoded=True)
+        url.host  # noqa: B018 - a host that is not a valid name raises here
+    except ValueError:  # UnicodeError included: yarl could not read the host
+        raise RequestTargetMalformed("the request target's host is not a valid name") from None
+    return url.raw_path, url.raw_query_string
+
+
+def _expects_continue(fields: list[bytes]) -> bool:
+    """Whether the request's ``Expect`` fields ask for 100-continue (False when they
+    ask for nothing); ExpectationFailed when they ask for anything else (the value
+    is never quoted back)."""
+    asked = {member.strip().lower() for field in fields for member in field.split(b",")} - {b""}
+    if asked <= {b"100-continue"}:
+        return bool(asked)
+    raise ExpectationFailed(
+        "the only expectation this proxy meets is 100-continue; send the request without the others"
+    )

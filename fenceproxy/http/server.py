@@ -59,55 +59,31 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from yarl import URL
-
 from ..config import LimitsSpec
 from ..errors import (
-    ExpectationFailed,
     HeaderTimeout,
     InternalError,
     ProxyBusy,
     Refusal,
     RequestHeadTooLarge,
     RequestMalformed,
-    RequestTargetMalformed,
     UpstreamError,
-    VersionNotSupported,
 )
 from ..log import proxy_log, server_log
 from .answer import Answer, head_bytes, problem_answer, raw_problem
 from .body import Flow
 from .edge import LINGER_BYTES, LINGER_FOR, Every, connection_cap
 from .httptools_parser import HttpRequestParser, ParserUpgrade, parser_refusal
-from .request import HTTP10, HTTP11, NONE_NAMED, Body, Request, Version, connection_named
+from .request import HTTP10, HTTP11, MAX_FIELDS, MAX_LINE, Body, Request, read_head, too_large
 
-__all__ = ["MAX_FIELDS", "MAX_LINE", "Connection", "DataPlane", "Handler", "Listener"]
+__all__ = ["Connection", "DataPlane", "Handler", "Listener"]
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
-MAX_LINE = 8190
-"""The longest request line, and the longest field name or value (nginx: 8k)."""
-MAX_FIELDS = 100
-"""The most fields in a request head."""
 # The most bytes of one head the parser may hold before it is refused: every field
 # at its longest.
 _MAX_HEAD = MAX_LINE + MAX_FIELDS * (2 * MAX_LINE + 4)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# RFC 9110's fields that appear once; a second is refused, as aiohttp's parser does.
-_SINGLETONS = frozenset(
-    {
-        b"content-length",
-        b"content-location",
-        b"content-range",
-        b"content-type",
-        b"etag",
-        b"host",
-        b"max-forwards",
-        b"server",
-        b"transfer-encoding",
-        b"user-agent",
-    }
-)
 _NO_BODY = frozenset({204, 304})
 _READ_AHEAD = "a request read ahead"  # what holds reading while one is queued
 _NEVER = float("inf")
@@ -336,7 +312,7 @@ class Connection(Flow):
             self._head_size += len(data)
         try:
             if self._head_size > _MAX_HEAD:
-                raise RequestHeadTooLarge(_too_large())
+                raise RequestHeadTooLarge(too_large())
             self._parser.feed_data(data)
         except ParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
@@ -387,20 +363,22 @@ class Connection(Flow):
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > MAX_LINE:
-            raise RequestHeadTooLarge(_too_large())
+            raise RequestHeadTooLarge(too_large())
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:
             return  # a trailer field: not forwarded, never read
         if len(name) > MAX_LINE or len(value) > MAX_LINE or len(self._fields) >= MAX_FIELDS:
-            raise RequestHeadTooLarge(_too_large())
+            raise RequestHeadTooLarge(too_large())
         self._fields.append((name, value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_size = 0
         self._wait(None)
-        request = self._request()
+        request, expects = read_head(self, self._parser, self._url, self._fields)
+        if expects:
+            self._owes_continue = request
         self._receiving = request
         self._queue.append(request)
         if len(self._queue) > 1:
@@ -420,55 +398,6 @@ class Connection(Flow):
         self._receiving = None
 
     # -- reading requests -------------------------------------------------------------
-
-    def _request(self) -> Request:
-        """The request llhttp has read the head of; Refusal when it cannot be taken."""
-        parser = self._parser
-        version = _version(parser.get_http_version())
-        if version is None:
-            raise VersionNotSupported(
-                f"this proxy speaks HTTP/1.1 and HTTP/1.0, not HTTP/{parser.get_http_version()}"
-            )
-        method = parser.get_method().decode("ascii")
-        target = self._url.decode("utf-8", "surrogateescape")
-        fields = self._fields
-        seen: set[bytes] = set()
-        length: int | None = None
-        coding: bytes | None = None
-        expect: list[bytes] = []
-        named = NONE_NAMED
-        for name, value in fields:
-            lower = name.lower()
-            if lower in _SINGLETONS:
-                if lower in seen:
-                    raise RequestMalformed(
-                        f"the request is not valid HTTP/1.1: a second {name.decode()} field"
-                    )
-                seen.add(lower)
-                if lower == b"content-length":
-                    length = int(value)
-                elif lower == b"transfer-encoding":
-                    coding = value  # llhttp refused any whose final coding is not chunked
-            elif lower == b"expect":
-                expect.append(value)
-            elif lower == b"connection":
-                named = connection_named(fields)
-        if version == HTTP11 and b"host" not in seen:
-            raise RequestMalformed("the request is not valid HTTP/1.1: it has no Host field")
-        path, query = _split_target(target, method)
-        upgrade = parser.should_upgrade()
-        request = Request(
-            self, method, target, path, query, version, fields,
-            content_length=length, coding=coding,
-            keep_alive=parser.should_keep_alive() and not upgrade, upgrade=upgrade, named=named,
-        )  # fmt: skip
-        if expect and _expects_continue(expect) and version == HTTP11:
-            self._owes_continue = request  # ignored in HTTP/1.0 (RFC 9110 §10.1.1)
-        if upgrade and coding is not None:
-            raise RequestMalformed(
-                "the request is not valid HTTP/1.1: a chunked body with Upgrade is not read"
-            )
-        return request
 
     def _upgraded(self, rest: bytes) -> None:
         """llhttp stops at the head of a request that asks for another protocol:
@@ -778,51 +707,6 @@ def _finish(answer: Answer) -> None:
     if answer.finish is not None:
         finish, answer.finish = answer.finish, None
         finish()
-
-
-def _version(text: str) -> Version | None:
-    if text == "1.1":
-        return HTTP11
-    if text == "1.0":
-        return HTTP10
-    return None
-
-
-def _too_large() -> str:
-    return (
-        f"the request line or a header is longer than {MAX_LINE} bytes, "
-        f"or there are more than {MAX_FIELDS} headers"
-    )
-
-
-def _split_target(target: str, method: str) -> tuple[str, str]:
-    """The path and query of a request target: origin-form as sent, absolute-form
-    read by yarl. RequestTargetMalformed for what names no path."""
-    if target.startswith("/"):
-        path, _, query = target.partition("?")
-        if "#" in path:
-            path = path.partition("#")[0]
-        return path, query.partition("#")[0]
-    if method == "CONNECT":
-        raise RequestTargetMalformed("CONNECT is not proxied: a request must name a path")
-    try:
-        url = URL(target, encoded=True)
-        url.host  # noqa: B018 - a host that is not a valid name raises here
-    except ValueError:  # UnicodeError included: yarl could not read the host
-        raise RequestTargetMalformed("the request target's host is not a valid name") from None
-    return url.raw_path, url.raw_query_string
-
-
-def _expects_continue(fields: list[bytes]) -> bool:
-    """Whether the request's ``Expect`` fields ask for 100-continue (False when they
-    ask for nothing); ExpectationFailed when they ask for anything else (the value
-    is never quoted back)."""
-    asked = {member.strip().lower() for field in fields for member in field.split(b",")} - {b""}
-    if asked <= {b"100-continue"}:
-        return bool(asked)
-    raise ExpectationFailed(
-        "the only expectation this proxy meets is 100-continue; send the request without the others"
-    )
 
 
 class Listener:
