@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from fenceproxy.http.server import MAX_AHEAD, MAX_HEAD
 from fenceproxy.testing import RawRequest, RawUpstream, RecordingUpstream, eventually, listening
 
 from .conftest import ProxyFactory, raw_request
@@ -78,15 +79,15 @@ async def test_pipelined_requests_are_answered_in_order_each_forwarded_once(
     assert [r.body for r in raw_upstream.received[:4]] == [b'{"n": %d}' % n for n in range(4)]
 
 
-async def test_a_client_that_pipelines_and_reads_nothing_is_not_read_far_ahead(
+async def test_a_client_that_pipelines_and_reads_nothing_has_no_answers_held_for_it(
     start_proxy: ProxyFactory,
 ) -> None:
-    """20,000 requests sent at once, each answered with 4 KiB (80 MiB in all, far
-    beyond what loopback's socket buffers hold): once the client's socket is full the
-    proxy stops answering, so it stops reading too, and holds neither the client's
-    requests nor their answers in memory; a client that reads nothing for
-    ``send_timeout`` is cut."""
-    big = b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"a" * 4096
+    """A client sends requests a few at a time, each few once the upstream has the
+    last, and reads none of the 16 KiB answers: once its socket is full the proxy
+    answers no more, so it takes no more requests either, and holds neither the
+    requests nor their answers in memory; after ``send_timeout`` its connection is
+    cut."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 16384\r\n\r\n" + b"a" * 16384
     seen: list[int] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,7 +95,7 @@ async def test_a_client_that_pipelines_and_reads_nothing_is_not_read_far_ahead(
             while True:
                 await reader.readuntil(b"\r\n\r\n")
                 seen.append(1)
-                writer.write(big)
+                writer.write(answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -105,16 +106,24 @@ async def test_a_client_that_pipelines_and_reads_nothing_is_not_read_far_ahead(
         route = {"name": "open", "path": "/open/", "upstream": url, "fence": False}
         proxy = await start_proxy([route], limits={"send_timeout": "1s"})
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-        writer.write(b"GET /open/x HTTP/1.1\r\nHost: a\r\n\r\n" * 20_000)
-        async with asyncio.timeout(30):
-            await eventually(lambda: len(seen) > 0)
-            await asyncio.sleep(2)  # the send timeout runs out; nothing is read meanwhile
+        sent = 0
+        async with asyncio.timeout(60):
+            while sent < 5000:
+                writer.write(b"GET /open/x HTTP/1.1\r\nHost: a\r\n\r\n" * 4)
+                sent += 4
+                try:
+                    await eventually(lambda n=sent: len(seen) == n, within=0.5)
+                except TimeoutError:
+                    break  # the proxy took no more
             asked = len(seen)
-            rest = await reader.read()  # the proxy cut the connection
+            await asyncio.sleep(2)  # the send timeout runs out; nothing is read meanwhile
+            assert len(seen) == asked
+            rest = await reader.read()  # what the socket buffers held, then the cut
         writer.close()
     # The socket buffers took some answers; the proxy asked for no more than those.
-    assert asked < 10_000, asked
-    assert len(rest) < 10_000 * 4096
+    assert sent < 5000
+    assert asked < 3000, asked
+    assert len(rest) < 3000 * 16384
 
 
 async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
@@ -122,12 +131,13 @@ async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
 ) -> None:
     """While the upstream holds the first request, the client pipelines 16 MiB more
     (2,000 requests of 8 KiB heads): the proxy reads one request ahead and stops, so
-    the client's socket fills and its writes wait; once the first is answered, the
-    rest are read and answered in order."""
+    the client's socket fills and its writes wait. Once the first is answered, those
+    it takes are answered in order; should one read bring more than MAX_AHEAD, those
+    are answered and the connection closed, the rest never read as requests."""
     release = upstream.hold()
     route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
     proxy = await start_proxy([route])
-    _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
     writer.write(b"GET /open/first HTTP/1.1\r\nHost: a\r\n\r\n")
     await upstream.wait_for(1)
     padding = b"X-Pad: " + b"p" * 8000 + b"\r\n"
@@ -138,10 +148,14 @@ async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
     assert len(upstream.received) == 1
     release()
     async with asyncio.timeout(30):
-        await writer.drain()
-        await upstream.wait_for(2001)
+        raw = await reader.read()
     writer.close()
-    assert [r.path_qs for r in upstream.received] == ["/open/first", *["/open/n"] * 2000]
+    assert len(upstream.received) > 1
+    assert [r.path_qs for r in upstream.received] == [
+        "/open/first",
+        *["/open/n"] * (len(upstream.received) - 1),
+    ]
+    assert [status for status, _ in answers(raw)] == [200] * len(upstream.received)
 
 
 # -- relayed answers, framed as their upstream framed them -------------------------------
@@ -310,3 +324,135 @@ async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
         waited = asyncio.get_running_loop().time() - started
     writer.close()
     assert 0.2 < waited < 2.0
+
+
+# -- found by attacking it ------------------------------------------------------------------
+
+
+async def test_a_client_pipelining_beyond_the_limit_has_those_taken_answered_then_closed(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """100 requests in one write, the first held at the upstream: the proxy takes the
+    first and MAX_AHEAD behind it, answers them in order, then closes; the rest is
+    never read as requests, so a client cannot queue requests without bound."""
+    release = upstream.hold()
+    route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
+    proxy = await start_proxy([route])
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"".join(b"GET /open/%d HTTP/1.1\r\nHost: a\r\n\r\n" % n for n in range(100)))
+    await upstream.wait_for(1)
+    release()
+    async with asyncio.timeout(10):
+        raw = await reader.read()
+    writer.close()
+    taken = MAX_AHEAD + 1
+    assert [status for status, _ in answers(raw)] == [200] * taken
+    assert raw.count(b"\r\nConnection: close\r\n") == 1  # on the last answer
+    assert [r.path_qs for r in upstream.received] == [f"/open/{n}" for n in range(taken)]
+
+
+@pytest.mark.parametrize(
+    "trailers",
+    [
+        b"X-T: " + b"a" * (MAX_HEAD + 1024 * 1024),  # a field that never ends
+        b"".join(b"X-T%d: v\r\n" % n for n in range(101)) + b"\r\n",  # too many
+    ],
+    ids=["endless-value", "too-many-fields"],
+)
+async def test_trailer_fields_are_held_to_the_heads_limits(
+    raw_proxy: Client, raw_upstream: RawUpstream, trailers: bytes
+) -> None:
+    data = (
+        b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE
+        + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n" + trailers
+    )  # fmt: skip
+    async with asyncio.timeout(10):
+        raw = await raw_request(raw_proxy.port, data)
+    assert raw.startswith(b"HTTP/1.1 431 "), raw[:100]
+    assert raw_upstream.received == []
+
+
+async def test_the_head_deadline_of_a_request_read_ahead_runs_only_while_reading(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """The third request's head is cut by the network while the proxy holds reading
+    behind a slow first one: it is answered, not refused with 408."""
+    release = upstream.hold()
+    route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
+    proxy = await start_proxy([route], limits={"header_timeout": "300ms"})
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(
+        b"GET /open/1 HTTP/1.1\r\nHost: a\r\n\r\nGET /open/2 HTTP/1.1\r\nHost: a\r\n\r\n"
+        b"GET /open/3 HTT"
+    )
+    await upstream.wait_for(1)
+    await asyncio.sleep(0.4)
+    writer.write(b"P/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    await asyncio.sleep(0.4)  # twice the head timeout since the third head began
+    release()
+    async with asyncio.timeout(10):
+        raw = await reader.read()
+    writer.close()
+    assert [status for status, _ in answers(raw)] == [200, 200, 200]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"GET /open/x#frag?q=1 HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"GET http://a/open/x#frag HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"CONNECT /open/x HTTP/1.1\r\nHost: a\r\nContent-Length: 35\r\n\r\n"
+        b"GET /open/smuggled HTTP/1.1\r\n\r\n\r\n",
+        b"CONNECT a:443 HTTP/1.1\r\nHost: a\r\n\r\n",
+    ],
+    ids=["fragment", "absolute-form-fragment", "connect-origin-form", "connect"],
+)
+async def test_a_fragment_or_connect_is_refused_never_repaired(
+    raw_proxy: Client, raw_upstream: RawUpstream, data: bytes
+) -> None:
+    async with asyncio.timeout(10):
+        raw = await raw_request(raw_proxy.port, data)
+    assert raw.startswith(b"HTTP/1.1 400 "), raw
+    assert b"request-target-malformed" in raw
+    assert raw_upstream.received == []
+
+
+async def test_an_http_10_request_with_transfer_encoding_closes_its_connection(
+    raw_proxy: Client, raw_upstream: RawUpstream
+) -> None:
+    """RFC 9112 §6.1: its framing is faulty; answered, then closed, so nothing sent
+    behind it is read as a request."""
+    data = (
+        b"POST /open/x HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+        b"GET /open/behind HTTP/1.0\r\nHost: a\r\n\r\n"
+    )
+    async with asyncio.timeout(10):
+        raw = await raw_request(raw_proxy.port, data)
+    assert [status for status, _ in answers(raw)] == [200]
+    assert [r.target for r in raw_upstream.received] == ["/open/x"]
+
+
+async def test_an_answer_in_a_transfer_coding_the_proxy_does_not_speak_is_502(
+    open_route: Start,
+) -> None:
+    gzipped = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    async with scripted(gzipped) as url:
+        raw = await raw_request(
+            (await open_route(url)).port,
+            b"GET /o/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        )
+    assert raw.startswith(b"HTTP/1.1 502 "), raw
+    assert b"transfer coding other than chunked" in raw
+
+
+async def test_a_204_goes_without_content_length_and_a_reason_keeps_its_bytes(
+    open_route: Start,
+) -> None:
+    async with scripted(b"HTTP/1.1 204 Fertig \xe9t\xe9\r\nContent-Length: 5\r\n\r\n") as url:
+        raw = await raw_request(
+            (await open_route(url)).port,
+            b"GET /o/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        )
+    assert raw.startswith(b"HTTP/1.1 204 Fertig \xe9t\xe9\r\n"), raw
+    assert b"Content-Length" not in raw

@@ -49,6 +49,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from ..errors import UpstreamFailed
 from .body import Body, Flow, read_fields
 from .client_errors import CONNECT_FAILURES, FAILURES, connect_failure, map_failure
 from .request import HTTP10, HTTP11, NONE_NAMED, Version, connection_named
@@ -375,19 +376,28 @@ class UpstreamConnection(Flow):
         if not parser.should_keep_alive():
             self.should_close = True
         body = Body(self)
+        length, coding, named = _framing(self._fields)
+        if coding is not None and coding.strip().lower() != b"chunked":
+            self._fail(
+                UpstreamFailed(
+                    "the upstream's answer has a transfer coding other than chunked, which "
+                    "is not relayed; it may have applied the write"
+                )
+            )
+            return
+        # Bytes that are not UTF-8 kept as surrogate escapes: they go back out as they came.
+        reason = self._reason.decode("utf-8", "surrogateescape")
         response = UpstreamResponse(
-            status, self._reason.decode("latin-1"), version, self._fields, body, self,
-            self._origin,
+            status, reason, version, self._fields, body, self, self._origin
         )  # fmt: skip
         self._response = response
-        length, chunked, named = _framing(self._fields)
         response.content_length = length
         response.connection_named = named
         if self._method == "HEAD" or status in _NO_BODY:
             body.finish()
             self._stale_parser = self._method == "HEAD"  # it may wait for a body
         else:
-            self._until_close = length is None and not chunked
+            self._until_close = length is None and coding is None
         head = self._head
         if head is not None and not head.done():
             head.set_result(response)
@@ -406,19 +416,21 @@ class UpstreamConnection(Flow):
             self._until_close = False
 
 
-def _framing(fields: list[tuple[bytes, bytes]]) -> tuple[int | None, bool, frozenset[bytes]]:
-    """The answer's Content-Length, whether it is chunked (llhttp checked both), and
-    the names its ``Connection`` fields list."""
-    length, chunked, named = None, False, NONE_NAMED
+def _framing(
+    fields: list[tuple[bytes, bytes]],
+) -> tuple[int | None, bytes | None, frozenset[bytes]]:
+    """The answer's Content-Length and Transfer-Encoding (llhttp checked how they
+    frame it), and the names its ``Connection`` fields list."""
+    length, coding, named = None, None, NONE_NAMED
     for name, value in fields:
         lower = name.lower()
         if lower == b"content-length":
             length = int(value)
         elif lower == b"transfer-encoding":
-            chunked = value.rstrip().lower().endswith(b"chunked")
+            coding = value if coding is None else coding + b", " + value
         elif lower == b"connection":
             named = connection_named(fields)
-    return length, chunked, named
+    return length, coding, named
 
 
 class Origin:

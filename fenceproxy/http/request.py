@@ -213,10 +213,14 @@ def read_head(
         raise RequestMalformed("the request is not valid HTTP/1.1: it has no Host field")
     path, query = _split_target(target, method)
     upgrade = parser.should_upgrade()
+    # An HTTP/1.0 message with Transfer-Encoding has faulty framing: closed after it
+    # (RFC 9112 §6.1).
+    keep_alive = parser.should_keep_alive() and not upgrade
+    keep_alive = keep_alive and not (version == HTTP10 and coding is not None)
     request = Request(
         conn, method, target, path, query, version, fields,
-        content_length=length, coding=coding,
-        keep_alive=parser.should_keep_alive() and not upgrade, upgrade=upgrade, named=named,
+        content_length=length, coding=coding, keep_alive=keep_alive, upgrade=upgrade,
+        named=named,
     )  # fmt: skip
     if upgrade and coding is not None:
         raise RequestMalformed(
@@ -243,14 +247,16 @@ def too_large() -> str:
 
 def _split_target(target: str, method: str) -> tuple[str, str]:
     """The path and query of a request target: origin-form as sent, absolute-form
-    read by yarl. RequestTargetMalformed for what names no path."""
-    if target.startswith("/"):
-        path, _, query = target.partition("?")
-        if "#" in path:
-            path = path.partition("#")[0]
-        return path, query.partition("#")[0]
+    read by yarl. RequestTargetMalformed for CONNECT, for what names no path, and for
+    a fragment (``#``), which no request target carries (RFC 9112 §3.2) and which
+    servers cut in different places: refused, never repaired."""
     if method == "CONNECT":
         raise RequestTargetMalformed("CONNECT is not proxied: a request must name a path")
+    if "#" in target:
+        raise RequestTargetMalformed("a request target carries no fragment (#)")
+    if target.startswith("/"):
+        path, _, query = target.partition("?")
+        return path, query
     try:
         url = URL(target, encoded=True)
         url.host  # noqa: B018 - a host that is not a valid name raises here

@@ -9,8 +9,10 @@ What a client may hold of the proxy (``limits:`` in the config, nginx's defaults
 
 * **the request head** must arrive within ``header_timeout`` of its first byte (or of
   the connection's opening): 408 and the connection is closed;
-* **the head's size**: a request line or a field above ``MAX_LINE`` bytes, or more
-  than ``MAX_FIELDS`` fields, is 431;
+* **the head's size**: a request line or a field above ``MAX_LINE`` bytes, more
+  than ``MAX_FIELDS`` fields, or a head above ``MAX_HEAD`` bytes in all, is 431; so
+  are a chunked body's trailer fields beyond the same limits (they are read, never
+  forwarded). The parser holds no more than ``MAX_HEAD`` bytes it has not reported;
 * **open connections** are capped at ``max_connections``, lowered at start to fit
   the descriptor limit (each may need an upstream connection too). A connection
   beyond the cap closes the least recently active one that the proxy is not working
@@ -18,8 +20,13 @@ What a client may hold of the proxy (``limits:`` in the config, nginx's defaults
   stalled ones hold the cap; only when every connection is being worked for is the
   newcomer refused with 503;
 * **an idle keep-alive connection** is closed after ``keepalive_timeout``;
-* **pipelined requests** are read one ahead of the one being answered, then the
-  connection stops reading until it is answered; answers go out in order.
+* **pipelined requests** are answered in order, one at a time, each answer taken
+  by the client (within ``send_timeout``) before the next request is handled. The
+  proxy reads one request ahead of the one it answers, then stops reading; of what
+  one read brought it takes at most ``MAX_AHEAD`` requests ahead, and a client that
+  pipelines more has those answered, then its connection closed: what it sent
+  beyond them is never read as a request (RFC 9112 §9.3.2 lets a server close). The
+  head deadline of a request read ahead runs only while the proxy reads.
 
 Bodies are read through :class:`~fenceproxy.http.edge.Bodies`, which holds them to
 their limits and their timeouts.
@@ -80,14 +87,21 @@ __all__ = ["Connection", "DataPlane", "Handler", "Listener"]
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
-# The most bytes of one head the parser may hold before it is refused: every field
-# at its longest.
-_MAX_HEAD = MAX_LINE + MAX_FIELDS * (2 * MAX_LINE + 4)
+MAX_HEAD = 64 * 1024
+"""The most bytes of one request head, or of a body's trailer fields (nginx: 32 KiB);
+also the most the parser may take in without reporting anything (a field that
+never ends)."""
+MAX_AHEAD = 16
+"""The most requests pipelined ahead of the one being answered that are taken."""
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _NO_BODY = frozenset({204, 304})
 _READ_AHEAD = "a request read ahead"  # what holds reading while one is queued
 _NEVER = float("inf")
 _TERMINAL_CHUNK = b"0\r\n\r\n"
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing what one read brought."""
 
 
 class _Refused:
@@ -257,7 +271,10 @@ class Connection(Flow):
         # The head being parsed.
         self._url = b""
         self._fields: list[tuple[bytes, bytes]] = []
-        self._head_size = 0
+        self._unreported = 0  # bytes fed to llhttp since it last reported anything
+        self._reported = False  # a callback came during this feed
+        self._head_size = 0  # of the head (or trailer fields) being read
+        self._trailers = 0  # trailer fields of the body being received
         self._in_head = False
         self._receiving: Request | None = None  # the request whose body is arriving
         self._upgrade_left = 0  # body bytes of an Upgrade request llhttp left to us
@@ -271,6 +288,7 @@ class Connection(Flow):
         head, or its next request), looked at by :meth:`DataPlane._watch`."""
         self._waits_for: str | None = None  # "head" or "idle"
         self._closing = False  # closed once the answers owed are sent
+        self._stopped = False  # pipelined beyond MAX_AHEAD: what came after is unread
         self._lost = False
         self._lingering: _Lingering | None = None
 
@@ -308,18 +326,23 @@ class Connection(Flow):
             return
         if not self._parsing:
             return
-        if self._in_head or self._receiving is None:
-            self._head_size += len(data)
+        self._reported = False
         try:
-            if self._head_size > _MAX_HEAD:
-                raise RequestHeadTooLarge(too_large())
             self._parser.feed_data(data)
+            # llhttp holds what it has not reported (a field that never ends): no
+            # more than MAX_HEAD of it, give or take one read.
+            self._unreported = 0 if self._reported else self._unreported + len(data)
+            if self._unreported > MAX_HEAD:
+                raise RequestHeadTooLarge(too_large())
         except ParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
         except Refusal as refusal:
             self._refuse_input(refusal)
         except Exception as exc:  # httptools' errors: the table in httptools_parser
-            self._refuse_input(parser_refusal(exc))
+            if isinstance(exc.__context__, _Stop):
+                self._stop_reading()
+            else:
+                self._refuse_input(parser_refusal(exc))
 
     def eof_received(self) -> bool:
         """The client will send no more: a body cut short fails; answers owed still go
@@ -354,27 +377,45 @@ class Connection(Flow):
     # -- llhttp's callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if len(self._queue) > MAX_AHEAD:
+            raise _Stop  # pipelined beyond what is taken: parse no further
         self._in_head = True
         self._url = b""
         self._fields = []
-        if self._waits_for != "head":  # the first head's deadline runs from the opening
+        self._head_size = 0
+        self._reported = True
+        # The first head's deadline runs from the opening; one read ahead, from when
+        # the proxy reads again.
+        if self._waits_for != "head" and not self._held:
             self._wait("head", self._plane.limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._reported = True
         if len(self._url) > MAX_LINE:
             raise RequestHeadTooLarge(too_large())
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._reported = True
+        if len(name) > MAX_LINE or len(value) > MAX_LINE:
+            raise RequestHeadTooLarge(too_large())
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD:
+            raise RequestHeadTooLarge(too_large())
         if not self._in_head:
-            return  # a trailer field: not forwarded, never read
-        if len(name) > MAX_LINE or len(value) > MAX_LINE or len(self._fields) >= MAX_FIELDS:
+            self._trailers += 1  # a trailer field: read, never forwarded
+            if self._trailers > MAX_FIELDS:
+                raise RequestHeadTooLarge(too_large())
+            return
+        if len(self._fields) >= MAX_FIELDS:
             raise RequestHeadTooLarge(too_large())
         self._fields.append((name, value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_size = 0
+        self._trailers = 0
+        self._reported = True
         self._wait(None)
         request, expects = read_head(self, self._parser, self._url, self._fields)
         if expects:
@@ -386,11 +427,13 @@ class Connection(Flow):
         self._answer_in_turn()
 
     def on_body(self, data: bytes) -> None:
+        self._reported = True
         receiving = self._receiving
         if receiving is not None:
             receiving.body.feed(data)
 
     def on_message_complete(self) -> None:
+        self._reported = True
         receiving = self._receiving
         if receiving is None or receiving.upgrade:
             return  # an Upgrade request's body, if any, is taken by _upgraded
@@ -453,9 +496,12 @@ class Connection(Flow):
         self.due = _NEVER if what is None else self._loop.time() + seconds
 
     def expire(self) -> None:
-        """What the connection waited for is late (:attr:`due`)."""
+        """What the connection waited for is late (:attr:`due`). A head's deadline
+        does not run while the proxy holds reading: it starts again when it reads."""
         what = self._waits_for
         self._wait(None)
+        if what == "head" and self._held and self._queue:
+            return
         if what == "head":
             self._head_too_slow()
         elif what == "idle" and self.transport is not None:
@@ -469,6 +515,22 @@ class Connection(Flow):
     def reading_again(self) -> None:
         if self._lingering is None:  # a lingering connection reads, and drops, anyway
             super().reading_again()
+            if self._in_head and self._waits_for != "head":
+                self._wait("head", self._plane.limits.header_timeout)
+
+    def _stop_reading(self) -> None:
+        """A client pipelined beyond ``MAX_AHEAD``: the requests taken are answered,
+        then the connection closes; nothing more is read as a request."""
+        self._parsing = False
+        self._in_head = False
+        self._closing = True
+        self._stopped = True
+        self._wait(None)
+        self._plane.log(
+            logging.INFO,
+            "closing a connection after its answers: more than %d requests pipelined ahead",
+            MAX_AHEAD,
+        )
 
     def send_continue(self, request: Request) -> None:
         if self._owes_continue is not request:
@@ -516,9 +578,12 @@ class Connection(Flow):
                         await self._linger(None)
                     return
                 if not await self._answer(item):
+                    if self._stopped and not self._lost:
+                        await self._linger(None)  # what it sent beyond is dropped
                     return
                 queue.popleft()
-                self.release_reading(_READ_AHEAD)
+                if len(queue) <= 1:
+                    self.release_reading(_READ_AHEAD)
         finally:
             self.task = None
             if not self._lost and self.transport is not None:
@@ -544,7 +609,8 @@ class Connection(Flow):
             answer.close = True
         body = request.body
         unread = not body.done
-        close = unread or answer.close or self._closing or not request.keep_alive or request.upgrade
+        last = self._closing and len(self._queue) == 1  # the last answer owed
+        close = unread or answer.close or last or not request.keep_alive or request.upgrade
         if self._owes_continue is request:
             self._owes_continue = None
         sent = await self._send(request, answer, close=close)

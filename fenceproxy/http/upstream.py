@@ -131,7 +131,8 @@ def answer_fields(upstream: UpstreamResponse, *, length: bool) -> bytes:
     frames a body it read whole anew), plus Via, and ``Date`` when the upstream sent
     none (RFC 9110 §6.6.1)."""
     fields = upstream.raw_fields
-    drop = _NOT_RETURNED if length else _NOT_RETURNED_NOR_LENGTH
+    # A 204 has no Content-Length (RFC 9110 §8.6), whatever the upstream said.
+    drop = _NOT_RETURNED if length and upstream.status != 204 else _NOT_RETURNED_NOR_LENGTH
     named = upstream.connection_named
     if named:
         drop = drop | named
