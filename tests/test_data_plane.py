@@ -14,8 +14,12 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from multidict import CIMultiDict
+from yarl import URL
 
-from fenceproxy.http.server import MAX_AHEAD, MAX_HEAD
+from fenceproxy.http.http1 import Origin
+from fenceproxy.http.request import MAX_HEAD
+from fenceproxy.http.server import MAX_AHEAD
 from fenceproxy.testing import RawRequest, RawUpstream, RecordingUpstream, eventually, listening
 
 from .conftest import ProxyFactory, raw_request
@@ -456,3 +460,172 @@ async def test_a_204_goes_without_content_length_and_a_reason_keeps_its_bytes(
         )
     assert raw.startswith(b"HTTP/1.1 204 Fertig \xe9t\xe9\r\n"), raw
     assert b"Content-Length" not in raw
+
+
+# -- found in review ---------------------------------------------------------------------
+
+
+async def test_an_upstream_connection_whose_answer_was_not_read_whole_is_still_reusable() -> None:
+    """An answer (300 KiB) arrives whole, beyond what a body buffers ahead of its
+    reader (so the connection stopped reading), and is released unread: the
+    connection goes back to the pool reading again, so the next exchange on it is
+    answered, not left to time out."""
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (300 * 1024) + b"a" * 300 * 1024
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(big)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async with listening(serve) as url:
+        origin = Origin(URL(url))
+        first = await origin.request("GET", "/a", CIMultiDict(), None, connect_timeout=5,
+                                     read_timeout=5)  # fmt: skip
+        await eventually(first._payload.is_eof)  # all in, none read
+        first.release()
+        assert origin.idle == 1
+        async with asyncio.timeout(10):
+            second = await origin.request("GET", "/b", CIMultiDict(), None, connect_timeout=5,
+                                          read_timeout=5)  # fmt: skip
+            body, whole = await second.read_capped(1024 * 1024)
+        second.release()
+        origin.close()
+    assert (second.status, len(body), whole) == (200, 300 * 1024, True)
+    assert origin.opened == 1
+
+
+async def test_a_reused_upstream_connection_times_its_answer_from_its_own_request(
+    start_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """A quick exchange, then on the same upstream connection an upload that takes
+    longer than the route's timeout to send: its answer is timed from the end of its
+    own request, not from the last exchange's answer."""
+    route = {"name": "o", "path": "/o/", "upstream": raw_upstream.url, "fence": False,
+             "timeout": "1s"}  # fmt: skip
+    proxy = await start_proxy([route])
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    async with asyncio.timeout(10):
+        writer.write(b"GET /o/quick HTTP/1.1\r\nHost: a\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(RawRequest(head[:-4], b"").values("Content-Length")[0]))
+        writer.write(b"POST /o/slow HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(6):  # 1.5 s of upload
+            writer.write(b"2\r\n{}\r\n")
+            await asyncio.sleep(0.25)
+        writer.write(b"0\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert [r.target for r in raw_upstream.received] == ["/o/quick", "/o/slow"]
+
+
+async def test_an_http_10_answer_ended_by_the_connection_is_the_last_on_it(
+    open_route: Start,
+) -> None:
+    """To an HTTP/1.0 client an answer with no length ends with the connection: a
+    request it pipelined behind is never answered on it (its bytes would be read
+    as the first answer's)."""
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                seen.append((await reader.readuntil(b"\r\n\r\n")).split(b" ")[1])
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # not whole at once: relayed as it comes
+                writer.write(b"5\r\nfirst\r\n0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async with listening(serve) as url:
+        proxy = await open_route(url)
+        pipelined = b"GET /o/1 HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n" + (
+            b"GET /o/2 HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n"
+        )
+        async with asyncio.timeout(10):
+            raw = await raw_request(proxy.port, pipelined)
+    assert raw.count(b"HTTP/1.0 200") == 1, raw
+    assert raw.endswith(b"first")
+    assert seen == [b"/o/1"]
+
+
+async def test_a_proxy_shutting_down_takes_no_more_requests(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    release = upstream.hold()
+    route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
+    proxy = await start_proxy([route])
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"GET /open/1 HTTP/1.1\r\nHost: a\r\n\r\n")
+    await upstream.wait_for(1)
+    proxy.server.runner.server.pre_shutdown()  # type: ignore[union-attr]
+    writer.write(b"GET /open/2 HTTP/1.1\r\nHost: a\r\n\r\n")
+    await asyncio.sleep(0.1)
+    release()
+    async with asyncio.timeout(10):
+        raw = await reader.read()
+    writer.close()
+    assert [status for status, _ in answers(raw)] == [200]
+    assert b"\r\nConnection: close\r\n" in raw
+    assert [r.path_qs for r in upstream.received] == ["/open/1"]
+
+
+async def test_an_upstream_head_that_never_ends_is_502_not_held(open_route: Start) -> None:
+    endless = b"HTTP/1.1 200 OK\r\nX-A: " + b"a" * (MAX_HEAD + 1024 * 1024)
+    async with scripted(endless) as url:
+        async with asyncio.timeout(10):
+            raw = await raw_request(
+                (await open_route(url)).port,
+                b"GET /o/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+            )
+    assert raw.startswith(b"HTTP/1.1 502 "), raw[:200]
+    assert b"head too large" in raw
+
+
+async def test_a_streamed_body_other_than_its_declared_length_is_never_sent_whole(
+    raw_upstream: RawUpstream,
+) -> None:
+    async def body(parts: list[bytes]) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    origin = Origin(URL(raw_upstream.url))
+    for parts in ([b"abc", b"defgh"], [b"ab"]):
+        with pytest.raises(ValueError, match="declared length"):
+            await origin.request(
+                "POST", "/x", CIMultiDict(), body(parts), connect_timeout=5, read_timeout=5,
+                length=5,
+            )  # fmt: skip
+        assert origin.idle == 0
+    assert raw_upstream.received == []
+    origin.close()
+
+
+async def test_an_idle_upstream_connection_closed_or_stale_is_dropped_from_the_pool(
+    raw_upstream: RawUpstream,
+) -> None:
+    origin = Origin(URL(raw_upstream.url))
+    first = await origin.request("GET", "/a", CIMultiDict(), None, connect_timeout=5,
+                                 read_timeout=5)  # fmt: skip
+    second = await origin.request("GET", "/b", CIMultiDict(), None, connect_timeout=5,
+                                  read_timeout=5)  # fmt: skip
+    for response in (first, second):
+        await response.read_capped(100)
+        response.release()
+    assert origin.idle == 2
+    oldest = origin._idle[0][0]
+    oldest.abort()
+    await oldest.closed
+    (await origin.request("GET", "/c", CIMultiDict(), None, connect_timeout=5,
+                          read_timeout=5)).release()  # fmt: skip
+    assert origin.idle == 1  # the closed one is gone, the live one reused and back
+    origin.close()

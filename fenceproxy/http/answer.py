@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 from ..errors import Refusal
 
 __all__ = [
+    "NO_BODY",
     "PROBLEM_JSON",
     "Answer",
     "head_bytes",
@@ -25,6 +26,8 @@ __all__ = [
 ]
 
 PROBLEM_JSON = "application/problem+json"
+NO_BODY = frozenset({204, 304})
+"""Statuses whose answer has no body, whatever its fields say."""
 
 
 class Answer:

@@ -48,6 +48,11 @@ class Flow(asyncio.Protocol):
                 self.transport.pause_reading()
         self._held.add(holder)
 
+    @property
+    def holds_reading(self) -> bool:
+        """Something holds reading: a body's reader is behind."""
+        return bool(self._held)
+
     def release_reading(self, holder: object) -> None:
         held = self._held
         if holder in held:

@@ -50,9 +50,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from ..errors import UpstreamFailed
+from .answer import NO_BODY
 from .body import Body, Flow, read_fields
 from .client_errors import CONNECT_FAILURES, FAILURES, connect_failure, map_failure
-from .request import HTTP10, HTTP11, NONE_NAMED, Version, connection_named
+from .request import HTTP10, HTTP11, MAX_HEAD, MAX_LINE, NONE_NAMED, Version, connection_named
 
 __all__ = ["Origin", "UpstreamConnection", "UpstreamResponse", "encode_fields", "map_failure"]
 
@@ -63,13 +64,12 @@ _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # connection is rarely reused at the moment the upstream closes it.
 _IDLE_MAX = 256
 _IDLE_FOR = 4.0
-# The answer's limits.
-_MAX_LINE = 8190
+# The answer's limits: the request's line and head sizes (MAX_LINE, MAX_HEAD), and
+# more fields than a request may have, as aiohttp's client allows.
 _MAX_FIELDS = 128
 # SO_LINGER on, for 0 s: close() drops what is unsent and resets the connection.
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 _CLOSE_GRACEFULLY = struct.pack("ii", 0, 0)
-_NO_BODY = frozenset({204, 304})
 
 
 def encode_fields(headers: CIMultiDict[str]) -> bytes:
@@ -152,12 +152,15 @@ class UpstreamResponse:
         return bytes(data), True
 
     def release(self) -> None:
-        """Give the connection back to its pool once the answer arrived to its end, or
-        cut it (:meth:`cut`, not waiting for the socket to close)."""
+        """Give the connection back to its pool once the answer arrived to its end
+        (what of it was not read is dropped, and reading let go), or abort it, not
+        waiting for the socket to close."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._payload.done:
+        done = self._payload.done
+        self._payload.discard()
+        if done:
             self._origin.put(conn)
         else:
             conn.abort()
@@ -195,6 +198,9 @@ class UpstreamConnection(Flow):
         self._read_timeout = 0.0
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._sent = False  # the exchange's request is out
+        self._reported = False  # a parser callback came during this read
+        self._unreported = 0  # bytes read since the parser last reported anything
 
     # -- the exchange -------------------------------------------------------------------
 
@@ -215,9 +221,11 @@ class UpstreamConnection(Flow):
         self._head = self._loop.create_future()
         self._response = None
         self._unasked = False
+        self._sent = False  # the read deadline waits for the request to be out
 
     def sent(self) -> None:
         """The request is out: the read deadline runs from now."""
+        self._sent = True
         self._last_read = self._loop.time()
         if self._timer is None and self._in_exchange():
             self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._check)
@@ -243,7 +251,7 @@ class UpstreamConnection(Flow):
     def close(self) -> None:
         """End a connection whose exchange is over (or never began) with a FIN."""
         self.should_close = True
-        self._linger(_CLOSE_GRACEFULLY)
+        self._set_so_linger(_CLOSE_GRACEFULLY)
         if self.transport is not None:
             self.transport.close()
 
@@ -268,13 +276,15 @@ class UpstreamConnection(Flow):
         self._stop_timer()
 
     def _check(self) -> None:
-        """The read deadline: no byte of the answer for ``read_timeout`` fails it. One
-        timer per connection, not per exchange: it outlives a quick exchange, then
-        finds the next one in progress (or none) and sets itself again from the last
-        byte read."""
+        """The read deadline: no byte of the answer for ``read_timeout``, once the
+        request is out, fails it. One timer per connection, not per exchange: set
+        when a request is out, it outlives a quick exchange and, when it fires while
+        the next is waiting for its answer, sets itself again from the last byte
+        read (or the request's end); while a request is still going out, it lets go,
+        to be set again once it is out."""
         self._timer = None
-        if not self._in_exchange() or self._held:
-            return
+        if not self._sent or not self._in_exchange() or self._held:
+            return  # set again when a request is out, or reading resumes
         due = self._last_read + self._read_timeout
         if self._loop.time() >= due:
             self._fail(TimeoutError())
@@ -287,7 +297,7 @@ class UpstreamConnection(Flow):
             self._timer.cancel()
             self._timer = None
 
-    def _linger(self, how: bytes) -> None:
+    def _set_so_linger(self, how: bytes) -> None:
         transport = self.transport
         if transport is None or self.closed.done():
             return  # closed already: nothing to send
@@ -301,17 +311,25 @@ class UpstreamConnection(Flow):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self._linger(_RESET_ON_CLOSE)  # so even a process that dies sends no more
+        self._set_so_linger(_RESET_ON_CLOSE)  # so even a process that dies sends no more
 
     def data_received(self, data: bytes) -> None:
         self._last_read = self._loop.time()
         if not self._in_exchange():
             self.should_close = True  # sent unasked: never reused
             return
+        self._reported = False
         try:
             self._parser.feed_data(data)
         except FAILURES as exc:
             self._fail(exc)
+            self.abort()
+            return
+        # llhttp holds what it has not reported (a field that never ends): no more
+        # than MAX_HEAD of it, give or take one read.
+        self._unreported = 0 if self._reported else self._unreported + len(data)
+        if self._unreported > MAX_HEAD:
+            self._fail(UpstreamFailed("the upstream's answer has a head too large to read"))
             self.abort()
 
     def eof_received(self) -> bool:
@@ -336,12 +354,13 @@ class UpstreamConnection(Flow):
         """The reader caught up: read again, the read deadline from now."""
         super().reading_again()
         self._last_read = self._loop.time()
-        if self._timer is None and self._in_exchange():
+        if self._timer is None and self._sent and self._in_exchange():
             self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._check)
 
     # -- llhttp's callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._reported = True
         self._reason = b""
         self._fields = []
         self._interim = False
@@ -350,18 +369,21 @@ class UpstreamConnection(Flow):
             self.should_close = True
 
     def on_status(self, reason: bytes) -> None:
+        self._reported = True
         self._reason += reason
-        if len(self._reason) > _MAX_LINE:
+        if len(self._reason) > MAX_LINE:
             raise ValueError("the status line is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._reported = True
         if self._unasked or self._response is not None:
             return  # trailers, or an answer nobody asked for
-        if len(self._fields) >= _MAX_FIELDS or len(name) + len(value) > _MAX_LINE:
+        if len(self._fields) >= _MAX_FIELDS or len(name) + len(value) > MAX_LINE:
             raise ValueError("the answer's head is too large")
         self._fields.append((name, value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
+        self._reported = True
         if self._unasked:
             return
         parser = self._parser
@@ -393,7 +415,7 @@ class UpstreamConnection(Flow):
         self._response = response
         response.content_length = length
         response.connection_named = named
-        if self._method == "HEAD" or status in _NO_BODY:
+        if self._method == "HEAD" or status in NO_BODY:
             body.finish()
             self._stale_parser = self._method == "HEAD"  # it may wait for a body
         else:
@@ -403,11 +425,13 @@ class UpstreamConnection(Flow):
             head.set_result(response)
 
     def on_body(self, data: bytes) -> None:
+        self._reported = True
         response = self._response
         if response is not None and not self._unasked and not self._stale_parser:
             response._payload.feed(data)
 
     def on_message_complete(self) -> None:
+        self._reported = True
         if self._interim or self._unasked:
             return
         response = self._response
@@ -518,6 +542,7 @@ class Origin:
             self.retired
             or conn.should_close
             or not conn.is_connected()
+            or conn.holds_reading
             or len(self._idle) >= _IDLE_MAX
         ):
             conn.close()
@@ -527,8 +552,11 @@ class Origin:
     async def _connect(self, connect_timeout: float) -> UpstreamConnection:
         """The most recently used idle connection still open, or a new one."""
         now = time.monotonic()
-        while self._idle:
-            conn, since = self._idle.pop()
+        idle = self._idle
+        while idle and (now - idle[0][1] >= _IDLE_FOR or not idle[0][0].is_connected()):
+            idle.popleft()[0].close()  # the oldest, gone stale or closed by the upstream
+        while idle:
+            conn, since = idle.pop()
             if now - since < _IDLE_FOR and conn.is_connected() and not conn.should_close:
                 return conn
             conn.close()
@@ -569,9 +597,14 @@ async def _send_stream(
         transport.write(head + b"Transfer-Encoding: chunked\r\n\r\n")
     else:
         transport.write(b"%sContent-Length: %d\r\n\r\n" % (head, length))
+    left = length
     async for chunk in body:
         if not chunk:
             continue
+        if left is not None:
+            left -= len(chunk)
+            if left < 0:  # more than declared: never sent as the start of another request
+                raise ValueError("a body longer than its declared length")
         if chunked:
             transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
         else:
@@ -579,3 +612,5 @@ async def _send_stream(
         await conn.drain()
     if chunked:
         transport.write(b"0\r\n\r\n")
+    elif left:
+        raise ValueError("a body shorter than its declared length")

@@ -77,24 +77,29 @@ from ..errors import (
     UpstreamError,
 )
 from ..log import proxy_log, server_log
-from .answer import Answer, head_bytes, problem_answer, raw_problem
+from .answer import NO_BODY, Answer, head_bytes, problem_answer, raw_problem
 from .body import Flow
 from .edge import LINGER_BYTES, LINGER_FOR, Every, connection_cap
 from .httptools_parser import HttpRequestParser, ParserUpgrade, parser_refusal
-from .request import HTTP10, HTTP11, MAX_FIELDS, MAX_LINE, Body, Request, read_head, too_large
+from .request import (
+    HTTP10,
+    HTTP11,
+    MAX_FIELDS,
+    MAX_HEAD,
+    MAX_LINE,
+    Body,
+    Request,
+    read_head,
+    too_large,
+)
 
 __all__ = ["Connection", "DataPlane", "Handler", "Listener"]
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
-MAX_HEAD = 64 * 1024
-"""The most bytes of one request head, or of a body's trailer fields (nginx: 32 KiB);
-also the most the parser may take in without reporting anything (a field that
-never ends)."""
 MAX_AHEAD = 16
 """The most requests pipelined ahead of the one being answered that are taken."""
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_NO_BODY = frozenset({204, 304})
 _READ_AHEAD = "a request read ahead"  # what holds reading while one is queued
 _NEVER = float("inf")
 _TERMINAL_CHUNK = b"0\r\n\r\n"
@@ -137,10 +142,10 @@ class DataPlane:
         self.max_connections = max_connections or connection_cap(limits.max_connections)
         self.access_log = access_log
         self.handler_cancellation = handler_cancellation
-        # Every open connection, least recently active first.
+        # Every open connection the cap counts, least recently active first (one
+        # refused at the cap is closed at once, and never counted).
         self._open: OrderedDict[Connection, None] = OrderedDict()
-        self.connections: set[Connection] = set()
-        """Every connection not yet lost, whether the cap counts it or not."""
+        self._all_closed: asyncio.Event | None = None  # while shutting down
         self.shutting_down = False
         self.log = Every()
         """Rate-limited lines about the door."""
@@ -169,17 +174,22 @@ class DataPlane:
         tick, while there are connections: one timer for them all, rather than two
         set and cancelled per request."""
         self._ticker = None
-        if not self.connections:
+        if not self._open:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        for conn in [c for c in self.connections if c.due <= now]:
+        for conn in [c for c in self._open if c.due <= now]:
             conn.expire()
         self._ticker = loop.call_later(self.tick, self._watch)
 
     @property
     def open_connections(self) -> int:
         return len(self._open)
+
+    @property
+    def connections(self) -> list[Connection]:
+        """Every open connection, least recently active first."""
+        return list(self._open)
 
     def opened(self, conn: Connection) -> bool:
         """Count a new connection in; False when it must be refused."""
@@ -214,27 +224,36 @@ class DataPlane:
 
     def closed(self, conn: Connection) -> None:
         self._open.pop(conn, None)
-        self.connections.discard(conn)
+        if not self._open and self._all_closed is not None:
+            self._all_closed.set()
 
     def pre_shutdown(self) -> None:
         """Take no more requests: idle connections close now, the others once the
         answers they owe are sent."""
         self.shutting_down = True
-        for conn in list(self.connections):
+        for conn in list(self._open):
             conn.close_when_done()
 
     async def shutdown(self, within: float) -> None:
-        """Let the requests in hand finish for up to ``within`` seconds, then cancel
-        what is left and close every connection."""
+        """Let the requests in hand finish, and their answers reach the clients, for
+        up to ``within`` seconds in all; then cancel what is left and cut every
+        connection still open."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        self._all_closed = asyncio.Event()
         self.pre_shutdown()
-        tasks = [t for t in (c.task for c in self.connections) if t is not None]
+        tasks = [t for t in (c.task for c in self._open) if t is not None]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=within)
             for task in pending:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-        for conn in list(self.connections):
+        if self._open:  # closing: what they still buffer goes out first
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await self._all_closed.wait()
+        for conn in list(self._open):
             conn.abort()
 
 
@@ -291,6 +310,7 @@ class Connection(Flow):
         self._stopped = False  # pipelined beyond MAX_AHEAD: what came after is unread
         self._lost = False
         self._lingering: _Lingering | None = None
+        self._lingered = False
 
     # -- the transport's side ---------------------------------------------------------
 
@@ -300,7 +320,6 @@ class Connection(Flow):
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else None
         plane = self._plane
-        plane.connections.add(self)
         if plane.shutting_down or not plane.opened(self):
             transport.write(
                 raw_problem(
@@ -377,6 +396,8 @@ class Connection(Flow):
     # -- llhttp's callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self._closing and self._queue:
+            raise _Stop  # shutting down, or the client is done sending: no more requests
         if len(self._queue) > MAX_AHEAD:
             raise _Stop  # pipelined beyond what is taken: parse no further
         self._in_head = True
@@ -519,18 +540,19 @@ class Connection(Flow):
                 self._wait("head", self._plane.limits.header_timeout)
 
     def _stop_reading(self) -> None:
-        """A client pipelined beyond ``MAX_AHEAD``: the requests taken are answered,
-        then the connection closes; nothing more is read as a request."""
+        """No more is read as a request (a client pipelined beyond ``MAX_AHEAD``, or
+        the connection closes): the requests taken are answered, then it closes."""
+        if not self._closing:
+            self._plane.log(
+                logging.INFO,
+                "closing a connection after its answers: more than %d requests pipelined ahead",
+                MAX_AHEAD,
+            )
         self._parsing = False
         self._in_head = False
         self._closing = True
         self._stopped = True
         self._wait(None)
-        self._plane.log(
-            logging.INFO,
-            "closing a connection after its answers: more than %d requests pipelined ahead",
-            MAX_AHEAD,
-        )
 
     def send_continue(self, request: Request) -> None:
         if self._owes_continue is not request:
@@ -554,8 +576,8 @@ class Connection(Flow):
         return isinstance(first, _Refused) or first.body.done
 
     def close_when_done(self) -> None:
-        """Close now if no request is in hand, else once the answers owed are sent
-        (a body still arriving is read to its end)."""
+        """Take no more requests: close now if none is in hand, else once the answers
+        owed are sent (a body still arriving is read to its end)."""
         self._closing = True
         if self.task is None and self._receiving is None and self.transport is not None:
             self.transport.close()
@@ -574,15 +596,14 @@ class Connection(Flow):
             while queue and not self._lost:
                 item = queue[0]
                 if isinstance(item, _Refused):
-                    if await self._send(item, problem_answer(item.refusal), close=True):
-                        await self._linger(None)
+                    went, _ = await self._send(item, problem_answer(item.refusal), close=True)
+                    if went:
+                        await self._linger(None)  # what came behind it is dropped
                     return
                 if not await self._answer(item):
-                    if self._stopped and not self._lost:
-                        await self._linger(None)  # what it sent beyond is dropped
                     return
                 queue.popleft()
-                if len(queue) <= 1:
+                if len(queue) <= 1 and not self._closing:
                     self.release_reading(_READ_AHEAD)
         finally:
             self.task = None
@@ -598,7 +619,10 @@ class Connection(Flow):
             self._wait("idle", self._plane.limits.keepalive_timeout)
 
     async def _answer(self, request: Request) -> bool:
-        """Answer ``request``; whether the connection goes on."""
+        """Answer ``request``; whether the connection goes on. One that does not, and
+        whose client may still be sending (its body, a request behind it), lingers:
+        closed with unread bytes, the socket would reset, and the client might lose
+        the answer before reading it."""
         try:
             answer = await self._plane.handler(request)
         except Exception:  # a bug: logged with its traceback, answered 500
@@ -613,25 +637,28 @@ class Connection(Flow):
         close = unread or answer.close or last or not request.keep_alive or request.upgrade
         if self._owes_continue is request:
             self._owes_continue = None
-        sent = await self._send(request, answer, close=close)
-        if unread and sent:
-            self._parsing = False
-            await self._linger(body)
-            return False
-        if close:
-            self._parsing = False
-            return False
-        return sent
+        went, goes_on = await self._send(request, answer, close=close)
+        body.discard()  # what its handler did not read: freed, and reading let go
+        if goes_on:
+            return True
+        self._parsing = False
+        more = unread or self._in_head or len(self._queue) > 1 or self._stopped
+        if went and more:
+            await self._linger(body if unread else None)
+        return False
 
-    async def _send(self, to: Request | _Refused, answer: Answer, *, close: bool) -> bool:
-        """Write ``answer`` out; whether all of it went."""
+    async def _send(
+        self, to: Request | _Refused, answer: Answer, *, close: bool
+    ) -> tuple[bool, bool]:
+        """Write ``answer`` out: whether all of it went, and whether the connection
+        goes on after it (not when ``close``, nor when its end is the connection's)."""
         transport = self.transport
         if transport is None or transport.is_closing():
             _finish(answer)
-            return False
+            return False, False
         request = to if isinstance(to, Request) else None
         version = "HTTP/1.0" if to.version == HTTP10 else "HTTP/1.1"
-        no_body = answer.status in _NO_BODY
+        no_body = answer.status in NO_BODY
         head_only = no_body or (request is not None and request.method == "HEAD")
         sent = 0
         try:
@@ -647,29 +674,30 @@ class Connection(Flow):
                     sent = len(answer.body)
                 # Before the next request is read: a client that pipelines and reads
                 # nothing never has the proxy hold its answers in memory.
-                ok = await self._flushed()
+                went = await self._flushed()
             else:
-                ok, sent = await self._stream(answer, version, close, head_only)
+                went, sent, close = await self._stream(answer, version, close, head_only)
         finally:
             _finish(answer)
         if self._plane.access_log is not None and request is not None:
             self._log_access(request, answer.status, sent)
-        return ok
+        return went, went and not close
 
     async def _stream(
         self, answer: Answer, version: str, close: bool, head_only: bool
-    ) -> tuple[bool, int]:
+    ) -> tuple[bool, int, bool]:
         """Relay an answer whose body is still arriving (its length framed as the
-        upstream framed it, or chunked). If the upstream breaks off, or the client
-        takes nothing for ``send_timeout``, the connection is cut, so the client
-        never takes a cut answer for a whole one."""
+        upstream framed it, or chunked; to an HTTP/1.0 client, ended by the
+        connection's end): whether all of it went, how much of its body, and whether
+        the connection ends with it. If the upstream breaks off, or the client takes
+        nothing for ``send_timeout``, the connection is cut, so the client never
+        takes a cut answer for a whole one."""
         transport = self.transport
         assert transport is not None
         assert answer.stream is not None
         framed = answer.framed or head_only
         chunked = not framed and version == "HTTP/1.1"
-        if not framed and not chunked:
-            close = True  # HTTP/1.0: the end of the body is the end of the connection
+        close = close or not (framed or chunked)
         head = head_bytes(answer, version, close=close, length=False, chunked=chunked,
                           keep_alive_10=version == "HTTP/1.0" and not close)  # fmt: skip
         sent = 0
@@ -681,20 +709,18 @@ class Connection(Flow):
                     sent += len(answer.body)
                 async for chunk in answer.stream:
                     if self._lost:
-                        return False, sent  # the client went away
+                        return False, sent, True  # the client went away
                     _write(transport, chunk, chunked)
                     sent += len(chunk)
                     if not await self._flushed():
-                        return False, sent
+                        return False, sent, True
                 if chunked:
                     transport.write(_TERMINAL_CHUNK)
         except UpstreamError as exc:
             proxy_log.warning("upstream answer cut short: %s", exc.detail)
             transport.abort()
-            return False, sent
-        if close:
-            self._closing = True
-        return True, sent
+            return False, sent, True
+        return True, sent, close
 
     async def _flushed(self) -> bool:
         """Wait until the client takes what was written, ``send_timeout`` at most;
@@ -723,8 +749,9 @@ class Connection(Flow):
         if body is not None:
             body.discard()
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self._lingered:
             return
+        self._lingered = True
         if transport.can_write_eof():
             transport.write_eof()
         left = self._loop.create_future()
