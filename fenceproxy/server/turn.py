@@ -27,7 +27,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
 from types import TracebackType
 
 from ..errors import JobQuarantined, Refusal, StoreError, StoreUnavailable
@@ -70,20 +69,6 @@ class JobLocks:
 
     __slots__ = ("_gates",)
 
-    class Held:
-        __slots__ = ("_job", "_owner", "_share")
-
-        def __init__(self, owner: JobLocks, job: str, share: int | None) -> None:
-            self._owner = owner
-            self._job = job
-            self._share = share
-
-        async def __aenter__(self) -> None:
-            await self._owner._acquire(self._job, self._share)
-
-        async def __aexit__(self, *exc: object) -> None:
-            self._owner._release(self._job)
-
     class _Gate:
         __slots__ = ("holders", "share", "waiting")
 
@@ -101,9 +86,6 @@ class JobLocks:
     def __init__(self) -> None:
         self._gates: dict[str, JobLocks._Gate] = {}
 
-    def __call__(self, job: str, share: int | None = None) -> JobLocks.Held:
-        return JobLocks.Held(self, job, share)
-
     def __len__(self) -> int:
         return len(self._gates)
 
@@ -112,33 +94,39 @@ class JobLocks:
         gate = self._gates.get(job)
         return 0 if gate is None else gate.holders + len(gate.waiting)
 
-    def open_to(self, job: str, share: int | None = None) -> bool:
-        """Whether a write of ``share`` would go in at once."""
-        gate = self._gates.get(job)
-        return gate is None or gate.open_to(share)
-
-    async def _acquire(self, job: str, share: int | None) -> None:
+    def take_now(self, job: str, share: int | None = None) -> bool:
+        """Take the job's gate if a write of ``share`` may go in at once; whether it
+        did (then it is given back once, with :meth:`release`)."""
         gate = self._gates.get(job)
         if gate is None:
             gate = self._gates[job] = JobLocks._Gate()
-        if gate.open_to(share):
-            gate.holders += 1
-            gate.share = share
+        if not gate.open_to(share):
+            return False
+        gate.holders += 1
+        gate.share = share
+        return True
+
+    async def acquire(self, job: str, share: int | None = None) -> None:
+        """Take the job's gate, waiting for it: first come, first served. Cancelled
+        while waiting, it has taken nothing."""
+        if self.take_now(job, share):
             return
+        gate = self._gates[job]
         entry = (share, asyncio.get_running_loop().create_future())
         gate.waiting.append(entry)
         try:
             await entry[1]
         except BaseException:
             if entry[1].done() and not entry[1].cancelled():
-                self._release(job)  # let in just as it was cancelled
+                self.release(job)  # let in just as it was cancelled
             else:
                 if entry in gate.waiting:  # unless a release already passed over it
                     gate.waiting.remove(entry)
                 self._drop_if_unused(job, gate)
             raise
 
-    def _release(self, job: str) -> None:
+    def release(self, job: str) -> None:
+        """Give back the gate taken with :meth:`take_now` or :meth:`acquire`."""
         gate = self._gates[job]
         gate.holders -= 1
         if gate.holders == 0:
@@ -278,25 +266,39 @@ class Turn:
     stored answer to give instead, when there is one; otherwise ``attempt`` is the
     admitted write, and ``upstream`` is to be set to its exchange once it has one."""
 
-    __slots__ = ("_exit", "_route", "_turns", "_write", "attempt", "replay", "upstream")
+    __slots__ = (
+        "_held",
+        "_reserved",
+        "_route",
+        "_task",
+        "_turns",
+        "_write",
+        "attempt",
+        "replay",
+        "upstream",
+    )
 
     def __init__(self, turns: Turns, write: FencedWrite, route: Route) -> None:
         self._turns = turns
         self._write = write
         self._route = route
-        self._exit = AsyncExitStack()
+        self._task: asyncio.Task[object] | None = None  # counted among the writes close() cuts
+        self._reserved: _Slot | None = None  # the key this process marked in flight
+        self._held = False  # the job's gate in this process
         self.replay: StoredResponse | None = None
         self.attempt: Attempt | None = None
         self.upstream: UpstreamResponse | None = None
 
     async def __aenter__(self) -> Turn:
-        async with AsyncExitStack() as stack:
-            self._writing(stack)
-            self.replay = self._reserve(stack)
+        try:
+            self._writing()
+            self.replay = self._reserve()
             if self.replay is None:
-                await self._queue(stack)
+                await self._queue()
                 self.replay = await self._admit()
-            self._exit = stack.pop_all()
+        except BaseException:
+            self._leave()
+            raise
         return self
 
     async def __aexit__(
@@ -310,7 +312,21 @@ class Turn:
         finally:
             if not answered and self.upstream is not None:
                 self.upstream.release()  # the driver relays an answer, else nobody
-            await self._exit.aclose()
+            self._leave()
+
+    def _leave(self) -> None:
+        """Undo what entering took, in the reverse order: the job's gate, the key's
+        mark in this process, the count among the writes close() cuts."""
+        turns = self._turns
+        if self._held:
+            self._held = False
+            turns.locks.release(self._write.job)
+        if self._reserved is not None:
+            _unreserve(turns.keys, self._reserved)
+            self._reserved = None
+        if self._task is not None:
+            turns.writing.discard(self._task)
+            self._task = None
 
     async def _hand_back(self, ending: Ending) -> None:
         """Cut an exchange in doubt before anything else, then settle the key and end
@@ -321,14 +337,14 @@ class Turn:
         finally:
             await self._turns.settle(self._write, self._route, ending)
 
-    def _writing(self, stack: AsyncExitStack) -> None:
+    def _writing(self) -> None:
         """Count this task among the writes close() cuts, until the turn ends."""
         task = asyncio.current_task()
         assert task is not None
         self._turns.writing.add(task)
-        stack.callback(self._turns.writing.discard, task)
+        self._task = task
 
-    def _reserve(self, stack: AsyncExitStack) -> StoredResponse | None:
+    def _reserve(self) -> StoredResponse | None:
         """A keyed write: a duplicate of one this process is still settling is refused
         or replayed at once; otherwise it is marked in flight here until it ends."""
         write, keys = self._write, self._turns.keys
@@ -343,23 +359,24 @@ class Turn:
             assert isinstance(decision, Replay)
             return decision.response
         keys[slot] = KeyRecord(KeyState.IN_FLIGHT, write.fingerprint, scope=write.scope)
-        stack.callback(_unreserve, keys, slot)
+        self._reserved = slot
         return None
 
-    async def _queue(self, stack: AsyncExitStack) -> None:
+    async def _queue(self) -> None:
         """Wait behind this process's earlier writes of the job, up to the route's
         timeout; a write of a route in generation order goes along with those of its
         generation."""
         write, locks = self._write, self._turns.locks
         share = write.generation if write.shared else None
-        if locks.open_to(write.job, share):
-            await stack.enter_async_context(locks(write.job, share))  # taken at once
+        if locks.take_now(write.job, share):
+            self._held = True
             return
         try:
             async with asyncio.timeout(self._route.timeout):
-                await stack.enter_async_context(locks(write.job, share))
+                await locks.acquire(write.job, share)
         except TimeoutError:
             raise _waited_too_long(self._write, retry_after=1.0) from None
+        self._held = True
 
     async def _admit(self) -> StoredResponse | None:
         """Admitted (``attempt`` set), or the stored answer to replay. While another
