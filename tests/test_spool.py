@@ -6,6 +6,7 @@ file is seen in the folder, so every test knows the body went to disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -280,7 +281,9 @@ async def test_a_full_disk_is_507_with_nothing_forwarded_and_no_file(
     )
     try:
         await proxy.start()
-        answer = await upload(proxy.port, bodies, body_of(8 * MiB))
+        # Sent whole, not held one byte short: the file may be refused, and removed,
+        # before the client has sent the rest.
+        answer = await upload_whole(proxy.port, body_of(8 * MiB))
         status, problem = answer_of(answer)
         assert (status, kind(problem)) == (507, "insufficient-storage")
         assert b"\r\nRetry-After: " in answer
@@ -292,6 +295,20 @@ async def test_a_full_disk_is_507_with_nothing_forwarded_and_no_file(
         await proxy.stop()
     assert "Traceback" not in log
     assert len(upstream.received) == 1
+
+
+async def upload_whole(port: int, body: bytes) -> bytes:
+    """The whole answer to a fenced write of ``body``, sent as fast as it is taken;
+    the proxy may answer, and close, before it was all sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head(len(body)) + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        async with asyncio.timeout(30):
+            return await reader.read()
+    finally:
+        writer.close()
 
 
 async def upload_small(port: int) -> bytes:
