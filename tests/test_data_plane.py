@@ -64,6 +64,34 @@ def answers(raw: bytes) -> list[tuple[int, bytes]]:
     return out
 
 
+@asynccontextmanager
+async def scripted(
+    answer: bytes, close: bool = False, seen: list[bytes] | None = None
+) -> AsyncIterator[str]:
+    """An upstream that answers every request with ``answer`` (closing after it when
+    ``close``), each request's head put in ``seen``."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if seen is not None:
+                    seen.append(head)
+                length = RawRequest(head[:-4], b"").values("Content-Length")
+                await reader.readexactly(int(length[0]) if length else 0)
+                writer.write(answer)
+                await writer.drain()
+                if close:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async with listening(serve) as url:
+        yield url
+
+
 # -- pipelining ------------------------------------------------------------------------
 
 
@@ -92,21 +120,8 @@ async def test_a_client_that_pipelines_and_reads_nothing_has_no_answers_held_for
     requests nor their answers in memory; after ``send_timeout`` its connection is
     cut."""
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 16384\r\n\r\n" + b"a" * 16384
-    seen: list[int] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                seen.append(1)
-                writer.write(answer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async with listening(serve) as url:
+    seen: list[bytes] = []
+    async with scripted(answer, seen=seen) as url:
         route = {"name": "open", "path": "/open/", "upstream": url, "fence": False}
         proxy = await start_proxy([route], limits={"send_timeout": "1s"})
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
@@ -163,30 +178,6 @@ async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
 
 
 # -- relayed answers, framed as their upstream framed them -------------------------------
-
-
-@asynccontextmanager
-async def scripted(answer: bytes, close: bool = False) -> AsyncIterator[str]:
-    """An upstream that answers every request with ``answer`` (closing after it when
-    ``close``)."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = RawRequest(head[:-4], b"").values("Content-Length")
-                await reader.readexactly(int(length[0]) if length else 0)
-                writer.write(answer)
-                await writer.drain()
-                if close:
-                    return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async with listening(serve) as url:
-        yield url
 
 
 Start = Callable[[str], Any]
@@ -471,19 +462,7 @@ async def test_an_upstream_connection_whose_answer_was_not_read_whole_is_still_r
     connection goes back to the pool reading again, so the next exchange on it is
     answered, not left to time out."""
     big = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (300 * 1024) + b"a" * 300 * 1024
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                writer.write(big)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async with listening(serve) as url:
+    async with scripted(big) as url:
         origin = Origin(URL(url))
         first = await origin.request("GET", "/a", CIMultiDict(), None, connect_timeout=5,
                                      read_timeout=5)  # fmt: skip
