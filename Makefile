@@ -57,12 +57,13 @@ XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxschedchunk
 
 ## Lint, types, the protocol model, the documentation site and the whole test suite.
 ## The model check keeps one core busy for minutes and needs nothing the rest does,
-## so it runs beside them, from the start; its report follows theirs, and its failure
-## fails the target as theirs does.
-test: model-tools servers
+## so it runs beside them, from the start (before the servers and the venv are
+## installed); its report follows theirs, and its failure fails the target as theirs
+## does.
+test: model-tools
 	@echo "$(PYTHON) model/check.py, in the background: its report comes at the end"
 	@log=$$(mktemp); $(PYTHON) model/check.py >$$log 2>&1 & model=$$!; \
-	$(MAKE) --no-print-directory lint typecheck docs pytest; rest=$$?; \
+	$(MAKE) --no-print-directory servers lint typecheck docs pytest; rest=$$?; \
 	wait $$model; checked=$$?; \
 	echo "--- $(PYTHON) model/check.py (ran beside the above) ---"; cat $$log; rm -f $$log; \
 	[ $$checked = 0 ] || echo "make: model/check.py failed (exit $$checked)"; \
