@@ -107,8 +107,9 @@ quick: lint $(STAMP) servers
 ## nginx, the reference for how an upstream resolves a request path and the
 ## benchmark's baseline, PostgreSQL, the shared store (the tests start a throwaway
 ## cluster of their own), Patroni and etcd, which fail that cluster over, wrk, the
-## benchmark's load generator, and chromium with its driver, the browser the
-## operator page is tested in.
+## benchmark's load generator, curl, a client the listener is driven with (TLS,
+## 100 Continue), and chromium with its driver, the browser the operator page is
+## tested in.
 servers:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
@@ -117,6 +118,7 @@ servers:
 	command -v patroni >/dev/null 2>&1 || missing="$$missing patroni"; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	command -v wrk >/dev/null 2>&1 || missing="$$missing wrk"; \
+	command -v curl >/dev/null 2>&1 || missing="$$missing curl"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \

@@ -21,6 +21,7 @@ import json
 import os
 import resource
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -190,16 +191,18 @@ class RecordingUpstream:
     @classmethod
     @asynccontextmanager
     async def serve(
-        cls, host: str = "127.0.0.1", port: int = 0
+        cls, host: str = "127.0.0.1", port: int = 0, *, tls: ssl.SSLContext | None = None
     ) -> AsyncIterator[RecordingUpstream]:
-        """Run one on loopback for the duration of the block; ``url`` says where."""
+        """Run one on loopback for the duration of the block (over TLS, given its
+        context); ``url`` says where."""
         upstream = cls()
         runner = web.AppRunner(upstream.app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=tls)
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
-        upstream.url = f"http://{host}:{sock.getsockname()[1]}"
+        scheme = "http" if tls is None else "https"
+        upstream.url = f"{scheme}://{host}:{sock.getsockname()[1]}"
         try:
             yield upstream
         finally:

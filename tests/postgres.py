@@ -17,8 +17,9 @@ import subprocess
 from pathlib import Path
 
 import asyncpg
+import pytest
 
-__all__ = ["PostgresServer", "postgres_bin", "sql"]
+__all__ = ["PostgresServer", "postgres_bin", "required_postgres_bin", "sql"]
 
 
 async def sql(url: str, *statements: str) -> None:
@@ -42,6 +43,17 @@ def postgres_bin() -> Path | None:
         key=lambda p: int(Path(p).parent.parent.name),
     )
     return Path(versions[-1]).parent if versions else None
+
+
+def required_postgres_bin() -> Path:
+    """:func:`postgres_bin`, or the test skipped (failed under CI, which must run every
+    test) when PostgreSQL is not installed."""
+    bin_dir = postgres_bin()
+    if bin_dir is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not installed, and CI must run every test")
+        pytest.skip("PostgreSQL is not installed (make test installs it when run as root)")
+    return bin_dir
 
 
 class PostgresServer:
