@@ -11,8 +11,10 @@ import difflib
 import ipaddress
 import os
 import re
+import ssl
 import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -35,6 +37,7 @@ from .fence.tokens import KEY_ID, SigningKeys, decode_key
 from .leases.auth import SECRET, LeaseCredentials
 from .spool import SpoolFolder, default_folder
 from .store.url import absolute_store_url, parse_store_url
+from .tls import ClientTLS, ServerTLS, client_context, parse_subject, server_context
 from .units import parse_duration, parse_size
 
 __all__ = [
@@ -90,6 +93,16 @@ OptionalDuration = Annotated[float, BeforeValidator(_duration), Field(ge=0, allo
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listen address's) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve beyond loopback
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -206,6 +219,14 @@ class RouteSpec(_Model):
     host: Literal["upstream", "preserve"] = "upstream"
     """The ``Host`` the upstream receives: its own authority, or the client's
     (signed requests, virtual-hosted upstreams)."""
+    tls: UpstreamTlsSpec | None = None
+    """How an ``https://`` upstream is spoken to, beyond the system's CAs."""
+
+    @model_validator(mode="after")
+    def _tls_for_https(self) -> RouteSpec:
+        if self.tls is not None and not self.upstream.startswith("https://"):
+            raise ValueError("tls is for an https:// upstream")
+        return self
 
     @field_validator("fence", mode="before")
     @classmethod
@@ -255,6 +276,51 @@ class RouteSpec(_Model):
         return value
 
 
+class ListenerTlsSpec(_Model):
+    """TLS on a listener: its certificate chain and key (PEM files, relative to the
+    config file's folder), and the CA whose client certificates it asks for."""
+
+    cert: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    client_ca: str | None = Field(default=None, min_length=1)
+    """Client certificates signed by this CA are verified; their subject can stand
+    for a lease API credential (``leases.clients[].subject``)."""
+    client_cert: Literal["optional", "required"] = "optional"
+    """With ``client_ca``: whether a client without a certificate is refused."""
+
+    @model_validator(mode="after")
+    def _ca_for_required(self) -> ListenerTlsSpec:
+        if self.client_cert == "required" and self.client_ca is None:
+            raise ValueError("client_cert: required needs client_ca, the CA that signs them")
+        return self
+
+    def server(self) -> ServerTLS:
+        return ServerTLS(self.cert, self.key, self.client_ca, self.client_cert == "required")
+
+
+class UpstreamTlsSpec(_Model):
+    """How the proxy speaks TLS to a route's ``https://`` upstream."""
+
+    ca: str | None = Field(default=None, min_length=1)
+    """The CA file the upstream's certificate must chain to; unset: the system's."""
+    cert: str | None = Field(default=None, min_length=1)
+    key: str | None = Field(default=None, min_length=1)
+    """A client certificate and its key, for an upstream that asks for one (mTLS)."""
+    server_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]{1,253}$")
+    """The name sent in the handshake (SNI) and verified; unset: the upstream's host."""
+    verify: bool = True
+    """false: the upstream's certificate is not verified (the proxy warns at start)."""
+
+    @model_validator(mode="after")
+    def _pair(self) -> UpstreamTlsSpec:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("give cert and key together, or neither")
+        return self
+
+    def client(self) -> ClientTLS:
+        return ClientTLS(self.ca, self.cert, self.key, self.server_name, self.verify)
+
+
 class _SecretSpec(_Model):
     """A secret read from the environment or a file, never from the config itself."""
 
@@ -270,11 +336,38 @@ class _SecretSpec(_Model):
 
 
 class LeaseClientSpec(_SecretSpec):
-    """A bearer credential of the lease API: its name (the owner of the leases taken
-    with it) and the job ids it covers (all, or those starting with ``job_prefix``)."""
+    """A credential of the lease API: a bearer secret (``env`` or ``file``), or a TLS
+    client certificate whose subject holds every attribute of ``subject`` (with
+    ``tls.client_ca``); its name (the owner of the leases taken with it) and the job
+    ids it covers (all, or those starting with ``job_prefix``)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
     job_prefix: str | None = Field(default=None, min_length=1, max_length=256)
+    subject: str | None = None
+    """``CN=worker-a`` (or ``CN=worker-a, O=Acme``): the attributes a verified client
+    certificate's subject must hold."""
+
+    @field_validator("subject")
+    @classmethod
+    def _subject(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_subject(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LeaseClientSpec:
+        if sum(x is not None for x in (self.env, self.file, self.subject)) != 1:
+            raise ValueError(
+                "give exactly one of env (a variable's name), file (a path) or subject "
+                "(a client certificate's, such as CN=worker-a)"
+            )
+        return self
+
+
+class AdminClientSpec(_SecretSpec):
+    """A bearer credential of the admin listener."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
 
 
 class LeasesSpec(_Model):
@@ -349,9 +442,20 @@ class LimitsSpec(_Model):
     """An idle keep-alive connection is closed after this."""
     max_connections: int = Field(default=10_000, ge=1)
     """Open client connections; lowered at start to fit the descriptor limit."""
+    max_connections_per_client: int | None = Field(default=None, ge=1)
+    """Of those, the most one client may hold (its address, or behind a trusted proxy
+    the address X-Forwarded-For names); unset: a tenth of ``max_connections``."""
     max_buffered: Size = 256 * 1024**2
     """Request bodies held in memory at once, every request together: beyond it,
-    503 with Retry-After. Bodies kept on disk do not count."""
+    503 with Retry-After. Bodies kept on disk do not count. A sixteenth of it is
+    kept for the lease API's calls."""
+    max_buffered_per_client: Size | None = None
+    """Of those, the most one client's requests may hold together; unset: a quarter
+    of ``max_buffered``."""
+    body_min_rate: Size = 1024
+    """A body read whole (a fenced write's, a lease call's) must arrive at this many
+    bytes a second at least, over every 10 s (or ``body_timeout``, when shorter):
+    408 otherwise, so a body sent a byte at a time holds no share for long. 0: off."""
     body_buffer: Size = 1024 * 1024
     """A fenced write's body up to this size is held in memory; a larger one is
     written to a file in ``body_temp_path`` as it arrives, and sent from there. Left
@@ -366,6 +470,14 @@ class LimitsSpec(_Model):
         if value is not None and (not value.strip() or "\0" in value):
             raise ValueError("expected the path of a folder")
         return value
+
+    @property
+    def connections_per_client(self) -> int:
+        return self.max_connections_per_client or max(1, self.max_connections // 10)
+
+    @property
+    def buffered_per_client(self) -> int:
+        return self.max_buffered_per_client or self.max_buffered // 4
 
     @model_validator(mode="after")
     def _buffer_fits(self) -> LimitsSpec:
@@ -384,8 +496,19 @@ class Config(_Model):
     """The whole file."""
 
     listen: str = "127.0.0.1:8080"
+    tls: ListenerTlsSpec | None = None
+    """TLS on ``listen``; a certificate renewed at the same path is loaded on SIGHUP."""
     admin: str | None = "127.0.0.1:9901"
     """The admin listener (/healthz, /readyz, /metrics); ``false`` for none."""
+    admin_tls: ListenerTlsSpec | None = None
+    """TLS on ``admin``."""
+    admin_clients: tuple[AdminClientSpec, ...] = ()
+    """With any, the admin listener needs one of these bearer credentials."""
+    admin_probes: Literal["open", "closed"] = "open"
+    """With ``admin_clients``: whether /healthz and /readyz need no credential."""
+    allow_plaintext: bool = False
+    """Let credentials and signed tokens cross a network in clear (a listener beyond
+    loopback without TLS); off, such a config is refused."""
     store: str = "sqlite:///fenceproxy.db"
     workers: int = Field(default=1, ge=1, le=256)
     """Processes serving ``listen`` together (SO_REUSEPORT), each with its own event
@@ -422,6 +545,11 @@ class Config(_Model):
             raise ValueError("expected HOST:PORT, such as 127.0.0.1:9901, or false for none")
         parse_listen(value)
         return value
+
+    @field_validator("tls", "admin_tls", mode="before")
+    @classmethod
+    def _tls_switch(cls, value: Any) -> Any:
+        return None if value is False else value
 
     @model_validator(mode="after")
     def _admin_apart(self) -> Config:
@@ -528,6 +656,46 @@ class Config(_Model):
         return value
 
 
+def _in_clear(config: Config) -> list[tuple[str, str]]:
+    """What of ``config`` would cross a network in clear, by the key that would mend
+    it: credentials and tokens that let their bearer act as someone, on a listener
+    beyond loopback without TLS, unless ``allow_plaintext`` says the network is
+    trusted; and a lease client named by a certificate without a CA to verify it."""
+    problems = []
+    leases = config.leases
+    named = leases is not None and any(c.subject is not None for c in leases.clients)
+    if named and (config.tls is None or config.tls.client_ca is None):
+        problems.append((
+            "tls.client_ca",
+            "a lease client named by a certificate subject (leases.clients[].subject) "
+            "needs the CA whose client certificates are verified",
+        ))  # fmt: skip
+    if config.allow_plaintext:
+        return problems
+    secrets = []
+    if leases is not None and any(c.subject is None for c in leases.clients):
+        secrets.append("the lease API's bearer credentials (leases.clients)")
+    if config.signing is not None:
+        secrets.append("signed fencing tokens (signing)")
+    if secrets and config.tls is None and not is_loopback(parse_listen(config.listen)[0]):
+        problems.append((
+            "tls",
+            f"{' and '.join(secrets)} would cross the network in clear on {config.listen}: "
+            "give tls (a certificate and its key), listen on loopback, or set "
+            "allow_plaintext: true for a network you trust",
+        ))  # fmt: skip
+    admin = config.admin
+    bare = admin is not None and config.admin_clients and config.admin_tls is None
+    if bare and admin is not None and not is_loopback(parse_listen(admin)[0]):
+        problems.append((
+            "admin_tls",
+            f"the admin listener's bearer credentials (admin_clients) would cross the "
+            f"network in clear on {admin}: give admin_tls, listen on loopback, or set "
+            "allow_plaintext: true for a network you trust",
+        ))  # fmt: skip
+    return problems
+
+
 def signing_keys(spec: SigningSpec | None, source: str) -> SigningKeys | None:
     """The signing keys' material, from the environment variables and files the
     config names; ConfigError naming ``source`` and the key when one is missing or
@@ -546,14 +714,75 @@ def lease_credentials(spec: LeasesSpec | None, source: str) -> LeaseCredentials 
     the API is off or open."""
     if spec is None or not spec.clients:
         return None
-    secrets = _read_secrets(source, "leases.clients", spec.clients, _bearer_secret)
+    bearers = [client for client in spec.clients if client.subject is None]
+    secrets = iter(_read_secrets(source, "leases.clients", tuple(bearers), _bearer_secret))
     try:
         return LeaseCredentials(
-            (client.name, secret, client.job_prefix)
-            for client, secret in zip(spec.clients, secrets, strict=True)
+            (client.name, next(secrets), client.job_prefix) for client in bearers
+        ).with_subjects(
+            (client.name, parse_subject(client.subject), client.job_prefix)
+            for client in spec.clients
+            if client.subject is not None
         )
     except ValueError as exc:
         raise ConfigError(source, [("leases.clients", str(exc))]) from None
+
+
+def admin_credentials(config: Config, source: str) -> LeaseCredentials | None:
+    """The admin listener's bearer credentials, read as the lease API's; None: open."""
+    if not config.admin_clients:
+        return None
+    secrets = _read_secrets(source, "admin_clients", config.admin_clients, _bearer_secret)
+    try:
+        return LeaseCredentials(
+            (client.name, secret, None)
+            for client, secret in zip(config.admin_clients, secrets, strict=True)
+        )
+    except ValueError as exc:
+        raise ConfigError(source, [("admin_clients", str(exc))]) from None
+
+
+def tls_contexts(config: Config, source: str) -> TlsContexts:
+    """Every TLS context the config asks for, made from its files; ConfigError naming
+    the file and the key of each that cannot be loaded."""
+    problems: list[tuple[str, str]] = []
+
+    def make(key: str, build: Callable[[], ssl.SSLContext]) -> ssl.SSLContext | None:
+        try:
+            return build()
+        except ValueError as exc:
+            problems.append((key, str(exc)))
+            return None
+
+    tls, admin_tls = config.tls, config.admin_tls
+    contexts = TlsContexts(
+        listener=None if tls is None else make("tls", lambda: server_context(tls.server())),
+        admin=None if admin_tls is None else make(
+            "admin_tls", lambda: server_context(admin_tls.server())
+        ),
+        upstreams={
+            route.name: context
+            for n, route in enumerate(config.routes)
+            if route.tls is not None
+            and (context := make(f"routes[{n}].tls", _client(route.tls))) is not None
+        },
+    )  # fmt: skip
+    if problems:
+        raise ConfigError(source, problems)
+    return contexts
+
+
+def _client(spec: UpstreamTlsSpec) -> Callable[[], ssl.SSLContext]:
+    return lambda: client_context(spec.client())
+
+
+@dataclass(frozen=True)
+class TlsContexts:
+    """The TLS contexts of a config: its listeners', and each route's to its upstream."""
+
+    listener: ssl.SSLContext | None
+    admin: ssl.SSLContext | None
+    upstreams: dict[str, ssl.SSLContext]
 
 
 def _bearer_secret(text: str) -> str:
@@ -653,7 +882,7 @@ def parse_config(
             node[part] = node = dict(child) if isinstance(child, dict) else {}
         node[last] = value
     try:
-        return Config.model_validate(merged)
+        config = Config.model_validate(merged)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         locs = [err["loc"] for err in errors]
@@ -671,6 +900,9 @@ def parse_config(
                 msg = _unknown_key(err["loc"])
             problems.append((key, msg))
         raise ConfigError(source, problems) from None
+    if problems := _in_clear(config):
+        raise ConfigError(source, problems)
+    return config
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -737,6 +969,21 @@ def load_config(
     if config.leases is not None:
         clients = _absolute_files(config.leases.clients, folder)
         update["leases"] = config.leases.model_copy(update={"clients": clients})
+    if config.admin_clients:
+        update["admin_clients"] = _absolute_files(config.admin_clients, folder)
+    for key in ("tls", "admin_tls"):
+        spec = getattr(config, key)
+        if spec is not None:
+            update[key] = _absolute_paths(spec, folder, ("cert", "key", "client_ca"))
+    if any(route.tls is not None for route in config.routes):
+        update["routes"] = tuple(
+            route.model_copy(
+                update={"tls": _absolute_paths(route.tls, folder, ("ca", "cert", "key"))}
+            )
+            if route.tls is not None
+            else route
+            for route in config.routes
+        )
     # The folder in full, the default's too: what a reload compares and keeps.
     temp_path = str(folder / (config.limits.body_temp_path or default_folder()))
     update["limits"] = config.limits.model_copy(update={"body_temp_path": temp_path})
@@ -744,11 +991,23 @@ def load_config(
     # Every secret present and well-formed, now; the folder for bodies usable.
     signing_keys(config.signing, source)
     lease_credentials(config.leases, source)
+    admin_credentials(config, source)
+    tls_contexts(config, source)
     try:
         SpoolFolder(temp_path).prepare()
     except ValueError as exc:
         raise ConfigError(source, [("limits.body_temp_path", str(exc))]) from None
     return config
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _absolute_paths(spec: M, folder: Path, keys: tuple[str, ...]) -> M:
+    """``spec`` with each of its file ``keys`` that is set made absolute against the
+    config file's ``folder``."""
+    update = {key: str(folder / value) for key in keys if (value := getattr(spec, key)) is not None}
+    return spec.model_copy(update=update)
 
 
 def _absolute_files(specs: tuple[S, ...], folder: Path) -> tuple[S, ...]:

@@ -46,6 +46,7 @@
         ├── LeaseRequestMalformed    400  a lease request body that is not JSON
         ├── LeaseRequestInvalid      422  a lease request with missing or invalid fields
         ├── LeaseUnauthenticated     401  the lease API needs a credential it knows
+        ├── AdminUnauthenticated     401  the admin listener needs a credential it knows
         ├── LeaseOutOfScope          403  the credential does not cover this job
         ├── LeaseNotFound            404  no lease was ever taken on the job
         ├── LeaseHeld                409  claim: another holder's lease is live (Retry-After)
@@ -84,6 +85,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "PROBLEM_BASE",
+    "AdminUnauthenticated",
     "BodySpoolFailed",
     "BodyTimeout",
     "BodyTooLarge",
@@ -418,6 +420,11 @@ class LeaseRequestInvalid(Refusal):
 class LeaseUnauthenticated(Refusal):
     slug, status, title = "lease-unauthenticated", 401, "Lease API credential required"
     challenge = 'Bearer realm="fenceproxy leases"'
+
+
+class AdminUnauthenticated(Refusal):
+    slug, status, title = "admin-unauthenticated", 401, "Admin listener credential required"
+    challenge = 'Bearer realm="fenceproxy admin"'
 
 
 class LeaseOutOfScope(Refusal):

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(shutil.which("wrk") is None or NGINX is None, reason="wrk or nginx missing")
 def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
     figures = tmp_path / "bench.json"
-    setups = ["direct", "nginx", "fenced", "raising"]
+    setups = ["direct", "nginx", "fenced", "fenced tls", "raising"]
     result = subprocess.run(
         [
             sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",

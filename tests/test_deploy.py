@@ -36,6 +36,7 @@ from fenceproxy.store.postgres import SCHEMA_VERSION
 from fenceproxy.store.url import parse_store_url
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port, status
 
+from .certs import Certificates
 from .postgres import PostgresServer, postgres_bin, sql
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,6 +194,20 @@ def secret_values(config: Config) -> dict[str, str]:
     return {name: generate_key() for name in secrets_named(config)}
 
 
+CREDENTIALS = "/run/credentials/fenceproxy.service/"
+"""Where systemd hands the unit its credentials (LoadCredential=)."""
+
+
+def with_certificates(text: str, directory: Path) -> str:
+    """The config with the TLS files it names made in ``directory``/tls (the unit's
+    credentials there rather than where systemd puts them)."""
+    Certificates(directory / "ca").server("fenceproxy")
+    (directory / "tls").mkdir()
+    for name in ("fenceproxy.pem", "fenceproxy-key.pem"):
+        (directory / "ca" / name).rename(directory / "tls" / name)
+    return text.replace(CREDENTIALS, f"{directory}/tls/")
+
+
 def with_sqlite_store(text: str, directory: Path) -> str:
     """The config with its store moved to a SQLite file in ``directory``."""
     store = model(text).store
@@ -216,7 +231,7 @@ def test_every_shipped_config_validates_with_its_secrets_set(
 ) -> None:
     text = shipped_configs()[where]
     path = tmp_path / "fenceproxy.yaml"
-    path.write_text(text)
+    path.write_text(with_certificates(text, tmp_path))
     for name, value in secret_values(model(text)).items():
         monkeypatch.setenv(name, value)
     config = load_config(path)  # reads every secret, never the store
@@ -229,7 +244,7 @@ def test_check_config_passes_on_the_unit_config(tmp_path: Path) -> None:
     """check-config also checks the store: here a SQLite folder of the test's own."""
     text = UNIT_CONFIG.read_text()
     path = tmp_path / "fenceproxy.yaml"
-    path.write_text(with_sqlite_store(text, tmp_path))
+    path.write_text(with_certificates(with_sqlite_store(text, tmp_path), tmp_path))
     result = subprocess.run(
         [str(VENV_BIN / "fenceproxy"), "check-config", "-c", str(path)],
         capture_output=True,
@@ -679,6 +694,17 @@ def test_the_unit_serves_the_example_config_from_its_state_directory() -> None:
     assert store.backend == "sqlite"
     state = Path("/var/lib") / unit_setting(text, "StateDirectory")
     assert Path(store.path).parent == state
+    # The TLS pair: root's files, handed over as credentials where the config looks.
+    tls = model(UNIT_CONFIG.read_text()).tls
+    assert tls is not None
+    handed = {
+        CREDENTIALS + name: source
+        for k, value in unit_file(text)["Service"]
+        if k == "LoadCredential"
+        for name, source in [value.split(":", 1)]
+    }
+    assert set(handed) == {tls.cert, tls.key}
+    assert all(source.startswith("/etc/fenceproxy/tls/") for source in handed.values())
 
 
 def test_the_unit_is_hardened() -> None:
@@ -751,7 +777,7 @@ async def test_the_unit_commands_migrate_serve_reload_and_stop(tmp_path: Path) -
     text = UNIT.read_text()
     config_text = UNIT_CONFIG.read_text()
     config = tmp_path / "fenceproxy.yaml"
-    config.write_text(config_text)
+    config.write_text(with_certificates(config_text, tmp_path))
     store = f"sqlite:///{tmp_path / 'state' / 'fenceproxy.db'}"
     (tmp_path / "state").mkdir()
     secrets = secret_values(model(config_text))

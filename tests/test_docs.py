@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import yaml
 
 from fenceproxy import cli
 from fenceproxy.config import load_config
+
+from .certs import Certificates
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -143,6 +146,25 @@ def _secrets(data: Any) -> Iterator[dict[str, Any]]:
     for section, key in (("signing", "keys"), ("leases", "clients")):
         if isinstance(data.get(section), dict):
             yield from data[section].get(key) or []
+    yield from data.get("admin_clients") or []
+
+
+def _make_tls_files(data: dict[str, Any], folder: Path) -> None:
+    """Every certificate, key and CA file a config names, made by a CA of the test's."""
+    routes = data.get("routes") or []
+    specs = [data.get("tls"), data.get("admin_tls"), *(r.get("tls") for r in routes)]
+    specs = [spec for spec in specs if isinstance(spec, dict)]
+    if not specs:
+        return
+    certs = Certificates(folder / ".made-for-the-test")
+    chain, key = certs.server()
+    for spec in specs:
+        made = {"cert": chain, "key": key, "client_ca": certs.ca_file, "ca": certs.ca_file}
+        for name, source in made.items():
+            if spec.get(name):
+                file = folder / spec[name]  # an absolute path stays itself
+                file.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(source, file)
 
 
 @blocks_of("yaml")
@@ -167,6 +189,7 @@ def test_a_yaml_block_is_a_config_the_loader_takes(
             file = tmp_path / secret["file"]  # an absolute path stays itself
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(_secret() + "\n")
+    _make_tls_files(data, tmp_path)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default folder for bodies
     config_file = tmp_path / "fenceproxy.yaml"
     config_file.write_text(text)

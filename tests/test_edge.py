@@ -226,7 +226,10 @@ async def test_a_body_that_stops_arriving_is_408_and_never_reaches_the_upstream_
 async def test_bodies_held_in_memory_are_capped_across_requests(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await start_proxy(limits={"max_buffered": "1MiB", "body_timeout": "30s"})
+    # One client: its share is the whole cap (the shares are test_fairness.py's).
+    proxy = await start_proxy(
+        limits={"max_buffered": "1MiB", "max_buffered_per_client": "1MiB", "body_timeout": "30s"}
+    )
     bodies = proxy.server.proxy.bodies  # type: ignore[union-attr]
     part = 300 * 1024
     head = b"POST /billing/x HTTP/1.1\r\nHost: a\r\n" + FENCE + b"Content-Length: 400000\r\n\r\n"
@@ -675,7 +678,7 @@ async def test_a_flood_of_stalled_connections_still_lets_a_client_through(
 async def test_a_connection_beyond_a_cap_of_busy_ones_is_refused_with_503(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await start_proxy(limits={"max_connections": 2})
+    proxy = await start_proxy(limits={"max_connections": 2, "max_connections_per_client": 2})
     release = upstream.hold()
     busy = [asyncio.ensure_future(fenced(proxy, f"job-{n}", 1)) for n in range(2)]
     await upstream.wait_for(2)  # both are at the upstream: the proxy works for them

@@ -191,10 +191,10 @@ async def test_the_cli_reads_its_credential_from_the_environment_or_a_file(
     assert '"generation": 1' in capsys.readouterr().out
 
 
-def write_config(tmp_path: Path, leases: dict[str, Any]) -> Path:
+def write_config(tmp_path: Path, leases: dict[str, Any], **top: Any) -> Path:
     path = tmp_path / "proxy.yaml"
     route = {"name": "b", "path": "/b/", "upstream": "http://127.0.0.1:9"}
-    path.write_text(yaml.safe_dump({"routes": [route], "leases": leases}))
+    path.write_text(yaml.safe_dump({"routes": [route], "leases": leases, **top}))
     return path
 
 
@@ -327,10 +327,12 @@ async def test_an_open_lease_api_beyond_loopback_is_warned_of_at_start(
 ) -> None:
     leases: dict[str, Any] = {}
     env = {}
+    top = {}
     if clients:
         leases["clients"] = [{"name": "a", "env": "FP_S"}]
         env["FP_S"] = BILLING
-    config = write_config(tmp_path, leases)
+        top["allow_plaintext"] = True  # else refused: tests/test_tls.py
+    config = write_config(tmp_path, leases, **top)
     port = free_port()
     proxy = ProxyProcess(config, port, "--listen", f"{listen}:{port}", env=env)
     try:

@@ -66,6 +66,11 @@ class Flow(asyncio.Protocol):
         with contextlib.suppress(RuntimeError):
             self.transport.resume_reading()
 
+    @property
+    def writing_paused(self) -> bool:
+        """The socket takes no more for now (:meth:`drain` waits until it does)."""
+        return self._write_paused
+
     def pause_writing(self) -> None:
         self._write_paused = True
 

@@ -18,7 +18,9 @@ deadline on the exchange, :func:`timed_out`)
 ==============================================  =========================================
 
 While connecting (:data:`CONNECT_FAILURES`, :func:`connect_failure`), when nothing
-was sent: ``TimeoutError`` and ``OSError`` become 502 ``UpstreamUnreachable``.
+was sent: ``TimeoutError`` and ``OSError`` become 502 ``UpstreamUnreachable``; a TLS
+handshake that fails (``ssl.SSLError``, an ``OSError``) says why, and a certificate
+refused (``ssl.SSLCertVerificationError``) says what was wrong with it.
 
 llhttp's reasons are fixed strings of its own, never the bytes it was fed.
 ``tests/test_client_errors.py`` maps every exception class httptools defines and
@@ -27,11 +29,20 @@ feeds the real parser the answers behind the rows.
 
 from __future__ import annotations
 
+import ssl
+
 import httptools
 
 from ..errors import UpstreamError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
 
-__all__ = ["CONNECT_FAILURES", "FAILURES", "connect_failure", "map_failure", "timed_out"]
+__all__ = [
+    "CONNECT_FAILURES",
+    "FAILURES",
+    "body_not_taken",
+    "connect_failure",
+    "map_failure",
+    "timed_out",
+]
 
 FAILURES = (UpstreamError, TimeoutError, httptools.HttpParserUpgrade, httptools.HttpParserError,
             OSError)  # fmt: skip
@@ -44,6 +55,14 @@ CONNECT_FAILURES = (TimeoutError, OSError)
 def timed_out() -> UpstreamTimeout:
     """No answer in time, after the request may have left."""
     return UpstreamTimeout("the upstream did not answer in time; it may have applied the write")
+
+
+def body_not_taken(seconds: float) -> UpstreamTimeout:
+    """The upstream took none of a request body for ``seconds``: the exchange is cut."""
+    return UpstreamTimeout(
+        f"the upstream took none of the request body for {seconds:g}s; it was cut, and "
+        "may have applied part of what it read"
+    )
 
 
 def map_failure(exc: BaseException) -> UpstreamError:
@@ -67,6 +86,14 @@ def map_failure(exc: BaseException) -> UpstreamError:
 
 def connect_failure(exc: BaseException, connect_timeout: float) -> UpstreamUnreachable:
     """What a failure to connect (:data:`CONNECT_FAILURES`) means: nothing was sent."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return UpstreamUnreachable(
+            f"the upstream's TLS certificate was refused: {exc.verify_message or exc.reason}"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return UpstreamUnreachable(
+            f"the TLS handshake with the upstream failed: {exc.reason or type(exc).__name__}"
+        )
     if isinstance(exc, TimeoutError):
         return UpstreamUnreachable(f"could not connect to the upstream within {connect_timeout:g}s")
     strerror = exc.strerror if isinstance(exc, OSError) else None

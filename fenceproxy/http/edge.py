@@ -1,11 +1,17 @@
 """The HTTP edge's limits on what a client holds of the proxy, shared by the data
 plane (:mod:`fenceproxy.http.server`) and every handler behind it.
 
-* **a body** may pause at most ``body_timeout`` between two reads: 408;
+* **a body** may pause at most ``body_timeout`` between two reads: 408; one read
+  whole must also keep up ``body_min_rate`` bytes a second over every 10 s (or
+  ``body_timeout``, when shorter): 408, so a body sent a byte at a time holds its
+  share of memory for seconds, not hours;
 * **bodies held in memory** (a fenced write's, read whole before its turn; a lease
   call's; a small unfenced one's) are counted across every request, and a body that
-  would take the total above ``max_buffered`` gets 503 with ``Retry-After``; a fenced
-  write's body beyond ``body_buffer`` goes to a file as it arrives
+  would take the total above ``max_buffered`` gets 503 with ``Retry-After``; a
+  sixteenth of it is kept for the lease API's calls, and one client (its address,
+  or behind a trusted proxy the address ``X-Forwarded-For`` names) may hold at most
+  ``max_buffered_per_client`` of it: a few clients cannot take the rest's share. A
+  fenced write's body beyond ``body_buffer`` goes to a file as it arrives
   (:mod:`fenceproxy.spool`), and only what waits to be written counts;
 * **a body above its limit** (a route's ``max_body``, the lease API's) is refused
   with 413 by its declared length before any of it is read, or as soon as what
@@ -44,6 +50,7 @@ from ..log import server_log
 from ..spool import CHUNK, SpoolFile, SpoolFolder, spool_failure
 from .answer import PROBLEM_JSON, reason, retry_after
 from .request import Body, Request
+from .upstream import TrustedProxies
 
 __all__ = [
     "LINGER_BYTES",
@@ -65,6 +72,8 @@ _LOG_EVERY = 10.0
 # the body, the connection goes on reading (and dropping) before it is closed.
 LINGER_FOR = 1.0
 LINGER_BYTES = 1024 * 1024
+RATE_WINDOW = 10.0
+"""The window over which a body read whole must keep up ``limits.body_min_rate``."""
 
 
 def problem_response(refusal: Refusal) -> web.Response:
@@ -130,12 +139,32 @@ def log_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 # -- bodies ---------------------------------------------------------------------
 
 
+class Share:
+    """One client's bodies held in memory, and how much it may hold."""
+
+    __slots__ = ("client", "held")
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+        self.held = 0
+
+
 class Bodies:
     """Request bodies: read whole within the memory shared by every request (a fenced
     write's beyond ``in_memory`` bytes into a file of ``spool`` instead), or streamed,
     each bounded by its limit and by the wait between two reads."""
 
-    __slots__ = ("cap", "held", "in_memory", "spool", "timeout")
+    __slots__ = (
+        "_shares",
+        "cap",
+        "held",
+        "in_memory",
+        "min_rate",
+        "per_client",
+        "spool",
+        "timeout",
+        "trusted",
+    )
 
     def __init__(
         self,
@@ -144,6 +173,8 @@ class Bodies:
         *,
         in_memory: int = 1024 * 1024,
         spool: SpoolFolder | None = None,
+        per_client: int | None = None,
+        min_rate: int = 0,
     ) -> None:
         self.cap = cap
         self.held = 0
@@ -152,6 +183,13 @@ class Bodies:
         self.in_memory = in_memory
         """The most of one body read whole that stays in memory when it may go to disk."""
         self.spool = spool
+        self.per_client = cap if per_client is None else per_client
+        """The most of ``cap`` one client's bodies may hold together."""
+        self.min_rate = min_rate
+        """Bytes a second a body read whole must keep up (0: no minimum)."""
+        self.trusted = TrustedProxies(())
+        """Peers whose X-Forwarded-For names the client."""
+        self._shares: dict[str, Share] = {}
 
     async def read(
         self,
@@ -160,32 +198,48 @@ class Bodies:
         *,
         spill: bool = False,
         digest: Digest | None = None,
+        lease: bool = False,
     ) -> HeldBody:
         """The whole body, up to ``limit`` bytes (BodyTooLarge above). What it holds
-        in memory counts against the cap until it is released (ProxyBusy beyond the
-        cap). With ``spill``, a body beyond ``in_memory`` bytes is written to a file
-        as it arrives, and only what waits to be written counts. ``digest`` is fed
-        the body, once, in order. A client that waits for ``100 Continue`` gets it
-        here, once its declared length is known to fit."""
+        in memory counts against the cap, and against its client's share, until it is
+        released (ProxyBusy beyond either; a ``lease`` call's may use the slice of the
+        cap kept for the lease API). With ``spill``, a body beyond ``in_memory`` bytes
+        is written to a file as it arrives, and only what waits to be written counts.
+        ``digest`` is fed the body, once, in order. A client that waits for ``100
+        Continue`` gets it here, once its declared length is known to fit."""
         _go_on(request, limit)
         body = request.body
         spill = spill and self.spool is not None
+        share = self._share(self.trusted.client(request.remote, request.raw_headers))
+        budget = self.cap if lease else self.cap - self.cap // 16
         pieces: AsyncIterator[bytes]
         whole = body.whole_now()
-        if whole is not None:
-            # Arrived whole with the request head, as a small body does: no loop.
-            check_body_size(len(whole), limit)
-            if not (spill and len(whole) > self.in_memory):
-                self._take(len(whole))
-                if digest is not None:
-                    digest.update(whole)
-                return HeldBody(whole, self)
-            pieces = _once(whole)
-        else:
-            pieces = self._chunks(body)
-        declared = request.content_length
-        return await self._gather(pieces, limit, spill and (declared or 0) > self.in_memory,
-                                  spill, digest)  # fmt: skip
+        try:
+            if whole is not None:
+                # Arrived whole with the request head, as a small body does: no loop.
+                check_body_size(len(whole), limit)
+                if not (spill and len(whole) > self.in_memory):
+                    self._take(len(whole), share, budget)
+                    if digest is not None:
+                        digest.update(whole)
+                    return HeldBody(whole, self, share)
+                pieces = _once(whole)
+            else:
+                pieces = self._chunks(body, self.min_rate)
+            to_file = spill and (request.content_length or 0) > self.in_memory
+            return await self._gather(pieces, limit, to_file, spill, digest, share, budget)
+        finally:
+            self._drop_share(share)
+
+    def _share(self, client: str) -> Share:
+        share = self._shares.get(client)
+        if share is None:
+            share = self._shares[client] = Share(client)
+        return share
+
+    def _drop_share(self, share: Share) -> None:
+        if share.held == 0 and self._shares.get(share.client) is share:
+            del self._shares[share.client]
 
     async def _gather(
         self,
@@ -194,6 +248,8 @@ class Bodies:
         to_file: bool,
         spill: bool,
         digest: Digest | None,
+        share: Share,
+        budget: int,
     ) -> HeldBody:
         """``source`` whole: in memory, or in a file from the start (``to_file``) or
         from when it grows beyond ``in_memory`` (``spill``)."""
@@ -206,26 +262,26 @@ class Bodies:
         try:
             async for chunk in source:
                 check_body_size(size + len(chunk), limit)
-                self._take(len(chunk))
+                self._take(len(chunk), share, budget)
                 taken += len(chunk)
                 pieces.append(chunk)
                 size += len(chunk)
                 if file is None and spill and size > self.in_memory:
                     file = self._create()
                 if file is not None and taken >= CHUNK:
-                    taken -= await self._flush(file, pieces, digest)
+                    taken -= await self._flush(file, pieces, digest, share)
             if file is not None:
-                taken -= await self._flush(file, pieces, digest)
-                return HeldBody(b"", self, file)
+                taken -= await self._flush(file, pieces, digest, share)
+                return HeldBody(b"", self, share, file)
         except BaseException:
-            self.held -= taken
+            self.give(taken, share)
             if file is not None:
                 file.remove()
             raise
         whole = b"".join(pieces)
         if digest is not None:
             digest.update(whole)
-        return HeldBody(whole, self)
+        return HeldBody(whole, self, share)
 
     def _create(self) -> SpoolFile:
         assert self.spool is not None
@@ -234,13 +290,15 @@ class Bodies:
         except OSError as exc:
             raise spool_failure(exc, "making its file") from None
 
-    async def _flush(self, file: SpoolFile, pieces: list[bytes], digest: Digest | None) -> int:
+    async def _flush(
+        self, file: SpoolFile, pieces: list[bytes], digest: Digest | None, share: Share
+    ) -> int:
         """Write what is in memory to the file and give its share of the cap back;
         how much that was."""
         data = b"".join(pieces)
         pieces.clear()
         await file.write(data, digest)
-        self.held -= len(data)
+        self.give(len(data), share)
         return len(data)
 
     async def stream(self, request: Request, limit: int) -> AsyncIterator[bytes]:
@@ -249,40 +307,74 @@ class Bodies:
         that waits for ``100 Continue`` gets it when the first piece is asked for."""
         _go_on(request, limit)
         seen = 0
-        async for chunk in self._chunks(request.body):
+        async for chunk in self._chunks(request.body, 0):
             seen += len(chunk)
             check_body_size(seen, limit)
             yield chunk
 
-    async def _chunks(self, body: Body) -> AsyncIterator[bytes]:
+    async def _chunks(self, body: Body, min_rate: int) -> AsyncIterator[bytes]:
         """Each piece of the body as it arrives; BodyTimeout when none comes for
         ``timeout`` (only the wait for the client counts, never the time the caller
-        takes between pieces), ClientClosedRequest when the client goes away or its
-        connection fails, RequestMalformed when its framing breaks (the parser's
-        refusal). None of them is an upstream's failure."""
+        takes between pieces), or, with ``min_rate``, when fewer than ``min_rate``
+        bytes a second came over a window (:data:`RATE_WINDOW`, or ``timeout`` when
+        shorter); ClientClosedRequest when the client goes away or its connection
+        fails, RequestMalformed when its framing breaks (the parser's refusal). None
+        of them is an upstream's failure."""
+        loop = asyncio.get_running_loop()
+        window = min(RATE_WINDOW, self.timeout)
+        since = loop.time()  # the window's start, and what had come by then
+        came = body.received
         while True:
+            now = loop.time()
+            wait = self.timeout if not min_rate else min(self.timeout, since + window - now)
             try:
-                async with asyncio.timeout(self.timeout):
+                async with asyncio.timeout(max(wait, 0.0)):
                     chunk = await body.next()
             except TimeoutError:
-                raise BodyTimeout(
-                    f"no part of the body arrived for {self.timeout:g}s; "
-                    "nothing was forwarded complete"
-                ) from None
+                if not min_rate or loop.time() < since + window:
+                    raise BodyTimeout(
+                        f"no part of the body arrived for {self.timeout:g}s; "
+                        "nothing was forwarded complete"
+                    ) from None
+                chunk = None  # the window is over: judged below
             except OSError:
                 raise ClientClosedRequest("the client's connection closed mid-body") from None
+            if min_rate and loop.time() >= since + window:
+                if body.received - came < min_rate * window:
+                    raise BodyTimeout(
+                        f"the body arrived at less than {min_rate} bytes a second over "
+                        f"{window:g}s (limits.body_min_rate); nothing was forwarded complete"
+                    )
+                since, came = loop.time(), body.received
+            if chunk is None:
+                continue
             if not chunk:
                 return
             yield chunk
 
-    def _take(self, size: int) -> None:
-        if self.held + size > self.cap:
+    def _take(self, size: int, share: Share, budget: int) -> None:
+        """Count ``size`` more bytes held for ``share``'s client; ProxyBusy when that
+        would take the total above ``budget``, or the client's above its share."""
+        if self.held + size > budget:
             raise ProxyBusy(
-                f"the proxy holds as many request bodies in memory as it may ({self.cap} "
-                "bytes, limits.max_buffered); retry",
+                f"the proxy holds as many request bodies in memory as it may ({budget} "
+                "bytes of limits.max_buffered); retry",
+                retry_after=1.0,
+            )
+        if share.held + size > self.per_client:
+            raise ProxyBusy(
+                f"this client's requests hold as much of the proxy's memory as one client "
+                f"may ({self.per_client} bytes, limits.max_buffered_per_client); retry",
                 retry_after=1.0,
             )
         self.held += size
+        share.held += size
+
+    def give(self, size: int, share: Share) -> None:
+        """Give ``size`` bytes of ``share``'s back."""
+        self.held -= size
+        share.held -= size
+        self._drop_share(share)
 
 
 class HeldBody:
@@ -290,13 +382,16 @@ class HeldBody:
     of the budget until :meth:`release`: as soon as the upstream has it, or when the
     request ends, whichever comes first. Releasing removes its file."""
 
-    __slots__ = ("_bodies", "data", "file")
+    __slots__ = ("_bodies", "_share", "data", "file")
 
-    def __init__(self, data: bytes, bodies: Bodies, file: SpoolFile | None = None) -> None:
+    def __init__(
+        self, data: bytes, bodies: Bodies, share: Share, file: SpoolFile | None = None
+    ) -> None:
         self.data = data
         """The body, when it is in memory; empty when it is in ``file``."""
         self.file = file
         self._bodies: Bodies | None = bodies
+        self._share = share
 
     @property
     def size(self) -> int:
@@ -309,7 +404,7 @@ class HeldBody:
     def release(self) -> None:
         """Give its share back and remove its file; again, nothing more."""
         if self._bodies is not None:
-            self._bodies.held -= len(self.data)
+            self._bodies.give(len(self.data), self._share)
             self._bodies = None
         if self.file is not None:
             self.file.remove()

@@ -50,9 +50,16 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from ..errors import UpstreamFailed
+from ..tls import ClientTLS, client_context
 from .answer import NO_BODY
 from .body import Body, Flow, read_fields
-from .client_errors import CONNECT_FAILURES, FAILURES, connect_failure, map_failure
+from .client_errors import (
+    CONNECT_FAILURES,
+    FAILURES,
+    body_not_taken,
+    connect_failure,
+    map_failure,
+)
 from .request import HTTP10, HTTP11, MAX_HEAD, MAX_LINE, NONE_NAMED, Version, connection_named
 
 __all__ = ["Origin", "UpstreamConnection", "UpstreamResponse", "encode_fields", "map_failure"]
@@ -460,13 +467,14 @@ def _framing(
 class Origin:
     """Keep-alive connections to one upstream origin (scheme, host, port)."""
 
-    def __init__(self, url: URL) -> None:
+    def __init__(self, url: URL, tls: ClientTLS | None = None) -> None:
         assert url.host is not None
         self.host = url.host
         self.port = url.port or (443 if url.scheme == "https" else 80)
-        self._ssl: ssl.SSLContext | None = (
-            ssl.create_default_context() if url.scheme == "https" else None
-        )
+        https = url.scheme == "https"
+        self._tls = tls
+        self._ssl: ssl.SSLContext | None = client_context(tls) if https else None
+        self._server_name = (tls.server_name if tls is not None else None) or url.host
         default_port = url.port is None or url.is_default_port()
         host = f"[{url.host}]" if ":" in url.host else url.host
         self.authority = host if default_port else f"{host}:{self.port}"
@@ -481,6 +489,13 @@ class Origin:
     @property
     def idle(self) -> int:
         return len(self._idle)
+
+    def renew_tls(self) -> None:
+        """Load the route's CA and client certificate files again (a reload: renewed
+        where they are), for the connections opened from now on; ValueError naming
+        the file when one cannot be loaded, the context left as it was."""
+        if self._ssl is not None and self._tls is not None:
+            self._ssl = client_context(self._tls)
 
     async def request(
         self,
@@ -522,7 +537,7 @@ class Origin:
             elif body is None:
                 transport.write(head + b"\r\n" if method in _BODILESS else head + _EMPTY)
             else:
-                await _send_stream(conn, transport, head, body, length)
+                await _send_stream(conn, transport, head, body, length, within=read_timeout)
             conn.sent()
             return await conn.answer()
         except FAILURES as exc:
@@ -568,7 +583,7 @@ class Origin:
                     self.host,
                     self.port,
                     ssl=self._ssl,
-                    server_hostname=self.host if self._ssl is not None else None,
+                    server_hostname=self._server_name if self._ssl is not None else None,
                 )
         except CONNECT_FAILURES as exc:
             raise connect_failure(exc, connect_timeout) from exc
@@ -589,9 +604,12 @@ async def _send_stream(
     head: bytes,
     body: AsyncIterable[bytes],
     length: int | None,
+    *,
+    within: float,
 ) -> None:
     """A body as it comes: framed by its ``length`` when the caller knows it, else
-    chunked; waiting for the socket whenever it is full."""
+    chunked; waiting for the socket whenever it is full, ``within`` seconds at most:
+    an upstream that takes none of it for that long is cut (UpstreamTimeout)."""
     chunked = length is None
     if length is None:
         transport.write(head + b"Transfer-Encoding: chunked\r\n\r\n")
@@ -609,7 +627,12 @@ async def _send_stream(
             transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
         else:
             transport.write(chunk)
-        await conn.drain()
+        if conn.writing_paused:
+            try:
+                async with asyncio.timeout(within):
+                    await conn.drain()
+            except TimeoutError:
+                raise body_not_taken(within) from None
     if chunked:
         transport.write(b"0\r\n\r\n")
     elif left:

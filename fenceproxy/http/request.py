@@ -170,7 +170,14 @@ class Request:
 
     @property
     def scheme(self) -> str:
-        return "http"
+        """``https`` when the client's connection is TLS."""
+        return self._conn.scheme
+
+    @property
+    def subject(self) -> dict[str, str]:
+        """The subject of the client certificate TLS verified on this request's
+        connection (``{"CN": ...}``); empty without one."""
+        return self._conn.subject
 
     def send_continue(self) -> None:
         """``100 Continue``, once, to a client waiting for it before it sends its body;

@@ -20,6 +20,7 @@ from yarl import URL
 from ..config import RouteSpec
 from ..errors import NoRoute, RequestTargetNotCanonical
 from ..fence.write import Fence
+from ..tls import ClientTLS
 from .target import PathMode, RequestPath, decode_path
 
 __all__ = ["Route", "Router"]
@@ -42,6 +43,8 @@ class Route:
     """What a path that is not canonical gets (:mod:`fenceproxy.http.target`)."""
     preserve_host: bool
     """The upstream receives the client's ``Host``, not its own authority."""
+    tls: ClientTLS | None
+    """How an ``https://`` upstream is spoken to, beyond the system's CAs."""
     _prefix: str | None
     """The decoded route path, when a plain case-sensitive prefix test will do."""
     _pattern: re.Pattern[str] | None
@@ -95,6 +98,7 @@ class Route:
             max_body=spec.max_body,
             paths=spec.paths,
             preserve_host=spec.host == "preserve",
+            tls=None if spec.tls is None else spec.tls.client(),
             _prefix=None if pattern is not None else spec.path,
             _pattern=pattern,
         )

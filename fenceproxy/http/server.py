@@ -61,9 +61,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 from ..config import LimitsSpec
@@ -77,6 +78,7 @@ from ..errors import (
     UpstreamError,
 )
 from ..log import proxy_log, server_log
+from ..tls import subject
 from .answer import NO_BODY, Answer, head_bytes, problem_answer, raw_problem
 from .body import Flow
 from .edge import LINGER_BYTES, LINGER_FOR, Every, connection_cap
@@ -92,6 +94,7 @@ from .request import (
     read_head,
     too_large,
 )
+from .upstream import TrustedProxies
 
 __all__ = ["Connection", "DataPlane", "Handler", "Listener"]
 
@@ -136,7 +139,9 @@ class DataPlane:
         max_connections: int | None = None,
         access_log: logging.Logger | None = None,
         handler_cancellation: bool = False,
+        trusted: TrustedProxies | None = None,
     ) -> None:
+        trusted = trusted or TrustedProxies(())
         self.handler = handler
         self.limits = limits
         self.max_connections = max_connections or connection_cap(limits.max_connections)
@@ -146,6 +151,9 @@ class DataPlane:
         # refused at the cap is closed at once, and never counted).
         self._open: OrderedDict[Connection, None] = OrderedDict()
         self._all_closed: asyncio.Event | None = None  # while shutting down
+        self._per_client: dict[str, int] = {}  # open connections by peer address
+        self.trusted = trusted
+        """Peers that proxies stand for many clients behind: no share of connections."""
         self.shutting_down = False
         self.log = Every()
         """Rate-limited lines about the door."""
@@ -154,11 +162,12 @@ class DataPlane:
     def __call__(self) -> Connection:
         return Connection(self)
 
-    def reconfigure(self, limits: LimitsSpec) -> None:
+    def reconfigure(self, limits: LimitsSpec, trusted: TrustedProxies) -> None:
         """Hold every connection to ``limits`` from now on (a reload): a new connection
         gets the new keep-alive timeout, a new request head the new deadline, and
         the cap applies at the next connection."""
         self.limits = limits
+        self.trusted = trusted
         self.max_connections = connection_cap(limits.max_connections)
 
     @property
@@ -192,29 +201,41 @@ class DataPlane:
         return list(self._open)
 
     def opened(self, conn: Connection) -> bool:
-        """Count a new connection in; False when it must be refused."""
+        """Count a new connection in; False when it must be refused. Beyond its
+        client's share, the client's own least recently active connection not being
+        worked for is closed for it, or it is refused; beyond the cap, anyone's."""
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().call_later(self.tick, self._watch)
         self._open[conn] = None
+        client = conn.peer or "unknown"
+        if client not in self.trusted:  # behind a trusted proxy, many clients: no share
+            self._per_client[client] = self._per_client.get(client, 0) + 1
+            if self._per_client[client] > self.limits.connections_per_client:
+                mine = (c for c in self._open if c.peer == conn.peer)
+                return self._make_room(conn, mine, "its client's share of connections "
+                                       "(limits.max_connections_per_client)")  # fmt: skip
         if len(self._open) <= self.max_connections:
             return True
-        victim = next(c for c in self._open if c is conn or not c.busy())
+        return self._make_room(conn, iter(self._open), "limits.max_connections")
+
+    def _make_room(self, conn: Connection, among: Iterator[Connection], limit: str) -> bool:
+        """Close the least recently active of ``among`` not being worked for, to make
+        room for ``conn``; False, ``conn`` refused, when that is ``conn`` itself."""
+        victim = next(c for c in among if c is conn or not c.busy())
         if victim is conn:
-            del self._open[conn]
+            self.closed(conn)
             self.log(
                 logging.WARNING,
-                "refused a connection: all %d connections are being worked for "
-                "(limits.max_connections)",
-                self.max_connections,
+                "refused a connection: every one of %s is being worked for",
+                limit,
             )
             return False
         self.log(
             logging.WARNING,
-            "at %d connections (limits.max_connections): closed the least recently "
-            "active one not being worked for",
-            self.max_connections,
+            "at %s: closed the least recently active connection not being worked for",
+            limit,
         )
-        self._open.pop(victim, None)
+        self.closed(victim)
         victim.abort()
         return True
 
@@ -223,7 +244,13 @@ class DataPlane:
             self._open.move_to_end(conn)
 
     def closed(self, conn: Connection) -> None:
-        self._open.pop(conn, None)
+        if self._open.pop(conn, False) is None:  # counted in, and not yet out
+            client = conn.peer or "unknown"
+            left = self._per_client.get(client, 0) - 1
+            if left > 0:
+                self._per_client[client] = left
+            else:
+                self._per_client.pop(client, None)
         if not self._open and self._all_closed is not None:
             self._all_closed.set()
 
@@ -286,6 +313,10 @@ class Connection(Flow):
         self._plane = plane
         self._loop = asyncio.get_running_loop()
         self.peer: str | None = None
+        self.scheme = "http"
+        """``https`` on a TLS connection."""
+        self.subject: dict[str, str] = {}
+        """The subject of the client certificate TLS verified, if the client sent one."""
         self._parser = HttpRequestParser(self)
         # The head being parsed.
         self._url = b""
@@ -319,6 +350,9 @@ class Connection(Flow):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else None
+        if transport.get_extra_info("ssl_object") is not None:  # its handshake is done
+            self.scheme = "https"
+            self.subject = subject(transport.get_extra_info("peercert"))
         plane = self._plane
         if plane.shutting_down or not plane.opened(self):
             transport.write(
@@ -725,7 +759,7 @@ class Connection(Flow):
     async def _flushed(self) -> bool:
         """Wait until the client takes what was written, ``send_timeout`` at most;
         False when it is gone, or took nothing for that long (its connection cut)."""
-        if not self._write_paused:
+        if not self.writing_paused:
             return not self._lost
         timeout = self._plane.limits.send_timeout
         try:
@@ -812,12 +846,21 @@ class Listener:
         self._servers: list[asyncio.Server] = []
 
     async def listen(
-        self, host: str | None, port: int, *, reuse_port: bool = False, backlog: int = 128
+        self,
+        host: str | None,
+        port: int,
+        *,
+        reuse_port: bool = False,
+        backlog: int = 128,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """Listen on ``host:port``, with TLS when given its context: a handshake must end
+        within ``limits.header_timeout``."""
         loop = asyncio.get_running_loop()
+        handshake = self.server.limits.header_timeout if tls is not None else None
         server = await loop.create_server(
             self.server, host, port, reuse_address=True, reuse_port=reuse_port or None,
-            backlog=backlog,
+            backlog=backlog, ssl=tls, ssl_handshake_timeout=handshake,
         )  # fmt: skip
         self._servers.append(server)
 

@@ -9,6 +9,7 @@ never retries a request on its own: retrying a write is the worker's decision.
 from __future__ import annotations
 
 import ipaddress
+import ssl
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
@@ -17,7 +18,9 @@ from multidict import CIMultiDict, istr
 from yarl import URL
 
 from .. import hdrs
-from ..errors import RequestHeaderMalformed
+from ..errors import RequestHeaderMalformed, UpstreamUnreachable
+from ..log import server_log
+from ..tls import ClientTLS
 from .answer import http_date
 from .http1 import Origin, UpstreamResponse
 from .request import Request
@@ -69,6 +72,23 @@ class TrustedProxies:
         except ValueError:
             return False
         return any(address in net for net in self._networks)
+
+    def client(self, peer: str | None, fields: Fields) -> str:
+        """Whom a request is from: its peer, or, when the peer is a trusted proxy, the
+        first address ``X-Forwarded-For`` names from the right that is not one (a
+        client cannot pass itself off as another by naming it further left)."""
+        if peer not in self:
+            return peer or "unknown"
+        hops = [
+            hop.strip().decode("latin-1")
+            for name, value in fields
+            if name.lower() == b"x-forwarded-for"
+            for hop in value.split(b",")
+        ]
+        for hop in reversed(hops):
+            if hop and hop not in self:
+                return hop
+        return hops[0] if hops and hops[0] else peer or "unknown"
 
 
 def forwarded_fields(
@@ -168,7 +188,15 @@ def _via(prior: Iterable[bytes], version: Any) -> bytes:
     return b"Via: %s\r\n" % (b", ".join([*prior, hop]))
 
 
+def _renew(origin: Origin, route: str) -> None:
+    try:
+        origin.renew_tls()
+    except ValueError as exc:
+        server_log.error("route %r keeps its TLS files as they were: %s", route, exc)
+
+
 Answered = Callable[[str, float, int | None], None]
+_Key = tuple[URL, ClientTLS | None]  # an upstream origin, and how TLS is spoken to it
 
 
 class UpstreamPool:
@@ -178,28 +206,33 @@ class UpstreamPool:
         """``answered(route, seconds, status)`` is told of each exchange: its route's
         name, how long the upstream took, and its status (None when there was none)."""
         self._answered = answered
-        self._origins: dict[URL, Origin] = {}
+        self._origins: dict[_Key, Origin] = {}
         self.update(routes)
 
     def update(self, routes: Iterable[Route]) -> None:
         """Serve ``routes`` from now on (a reload): an origin they still name keeps its
-        connections; one they no longer name is retired, and a request already
-        routed to it still gets it."""
-        origins: dict[URL, Origin] = {}
+        connections, and loads its TLS files again for the next ones; one they no
+        longer name is retired, and a request already routed to it still gets it."""
+        origins: dict[_Key, Origin] = {}
         for route in routes:
-            if route.upstream not in origins:
-                origin = self._origins.get(route.upstream) or Origin(route.upstream)
+            key = (route.upstream, route.tls)
+            if key not in origins:
+                origin = self._origins.get(key)
+                if origin is None:
+                    origin = Origin(route.upstream, route.tls)
+                elif route.tls is not None:
+                    _renew(origin, route.name)
                 origin.retired = False
-                origins[route.upstream] = origin
-        for url, origin in self._origins.items():
-            if url not in origins:
+                origins[key] = origin
+        for key, origin in self._origins.items():
+            if key not in origins:
                 origin.retired = True
                 origin.close()  # its idle connections; busy ones close as they return
-                origins.setdefault(url, origin)
+                origins.setdefault(key, origin)
         self._origins = origins
 
     def origin(self, route: Route) -> Origin:
-        return self._origins[route.upstream]
+        return self._origins[route.upstream, route.tls]
 
     async def send(
         self,
@@ -221,7 +254,7 @@ class UpstreamPool:
         started = time.monotonic()
         status: int | None = None
         try:
-            response = await self._origins[route.upstream].request(
+            response = await self._origins[route.upstream, route.tls].request(
                 method,
                 route.base_path + target,
                 headers,
@@ -233,6 +266,10 @@ class UpstreamPool:
             )
             status = response.status
             return response
+        except UpstreamUnreachable as exc:
+            if isinstance(exc.__cause__, ssl.SSLError):  # which route's TLS settings
+                raise UpstreamUnreachable(f"route {route.name!r}: {exc.detail}") from exc
+            raise
         finally:
             if answered is not None:
                 answered(route.name, time.monotonic() - started, status)

@@ -1,6 +1,7 @@
-"""Who may use the lease API: bearer credentials, each with a name and optionally a
-job-id prefix it is limited to. Pure, without I/O: the secrets are read by the config
-loader.
+"""Who may use the lease API: bearer credentials, or TLS client certificates by their
+subject, each with a name and optionally a job-id prefix it is limited to. Pure,
+without I/O: the secrets are read by the config loader, the certificates verified by
+the listener's TLS.
 
 A request names its credential in ``Authorization: Bearer <secret>``. The secret is
 compared with every configured one in constant time (as SHA-256 digests, so neither
@@ -9,6 +10,10 @@ the credential that matched becomes the lease's owner: ``name`` alone, or
 ``name/owner`` when the request also names an owner of its own (a worker among several
 sharing one credential). So a client can renew, complete or release only a lease
 taken under its own credential.
+
+A request without ``Authorization`` whose connection presented a verified client
+certificate is the caller of the first credential whose ``subject`` attributes
+(``CN=worker-a``) its certificate's subject holds, every one of them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..errors import LeaseOutOfScope, LeaseUnauthenticated
@@ -51,9 +56,10 @@ class LeaseCaller:
 
 
 class LeaseCredentials:
-    """The configured credentials: ``(name, secret, job_prefix)`` each."""
+    """The configured credentials: ``(name, secret, job_prefix)`` each, and those
+    named by a certificate subject (:meth:`with_subjects`)."""
 
-    __slots__ = ("_callers",)
+    __slots__ = ("_callers", "_subjects")
 
     def __init__(self, credentials: Iterable[tuple[str, str, str | None]]) -> None:
         self._callers = tuple(
@@ -61,11 +67,28 @@ class LeaseCredentials:
         )
         if len({digest for digest, _ in self._callers}) != len(self._callers):
             raise ValueError("two credentials have the same secret")
+        self._subjects: tuple[tuple[Mapping[str, str], LeaseCaller], ...] = ()
 
-    def authenticate(self, authorization: str | None) -> LeaseCaller:
-        """The caller whose secret ``authorization`` (the header's value) carries;
-        LeaseUnauthenticated when there is none, it is not a bearer secret, or no
+    def with_subjects(
+        self, subjects: Iterable[tuple[str, Mapping[str, str], str | None]]
+    ) -> LeaseCredentials:
+        """Add credentials named by a client certificate's subject attributes."""
+        self._subjects += tuple(
+            (dict(attributes), LeaseCaller(name, prefix)) for name, attributes, prefix in subjects
+        )
+        return self
+
+    def authenticate(
+        self, authorization: str | None, subject: Mapping[str, str] | None = None
+    ) -> LeaseCaller:
+        """The caller whose secret ``authorization`` (the header's value) carries, or,
+        without one, whose certificate ``subject`` (verified by TLS) holds;
+        LeaseUnauthenticated when there is neither, it is not a bearer secret, or no
         credential has it."""
+        if authorization is None and subject:
+            for attributes, caller in self._subjects:
+                if all(subject.get(name) == value for name, value in attributes.items()):
+                    return caller
         m = None if authorization is None else _BEARER.fullmatch(authorization)
         if m is None:
             raise LeaseUnauthenticated(

@@ -31,6 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import Config
 from ..errors import (
+    AdminUnauthenticated,
+    LeaseUnauthenticated,
     MisdirectedRequest,
     NoRoute,
     Refusal,
@@ -41,6 +43,7 @@ from ..errors import (
 )
 from ..fence.fencing import parse_job
 from ..http.edge import problem_response
+from ..leases.auth import LeaseCredentials
 from ..log import server_log
 from ..store import Store
 from ..store.base import JobView
@@ -48,16 +51,21 @@ from .metrics import Metrics
 from .page import add_page
 from .recent import KEPT
 
-__all__ = ["admin_app"]
+__all__ = ["admin_app", "authenticate"]
 
 _MAX_PAGE = 1000
 
 
 def admin_app(
-    config: Callable[[], Config], store: Callable[[], Store], metrics: Metrics
+    config: Callable[[], Config],
+    store: Callable[[], Store],
+    metrics: Metrics,
+    credentials: Callable[[], LeaseCredentials | None] = lambda: None,
 ) -> web.Application:
     """The admin listener's application; ``config`` gives the running config (it
-    changes on a reload), ``store`` the proxy's open store."""
+    changes on a reload), ``store`` the proxy's open store, ``credentials`` the bearer
+    credentials every request needs (but the probes, when ``admin_probes`` is open),
+    if any."""
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "serving"})
@@ -125,6 +133,7 @@ def admin_app(
     @web.middleware
     async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
+            authenticate(request, credentials(), config().admin_probes == "open")
             if _from_a_browser(request) and not _own_name(request.host, config().admin):
                 raise MisdirectedRequest(
                     f"this admin listener answers browsers at an IP address, localhost or "
@@ -219,3 +228,21 @@ def _job_json(view: JobView) -> dict[str, Any]:
             for k in view.keys
         ],
     }
+
+
+_PROBES = frozenset({"/healthz", "/readyz"})
+
+
+def authenticate(
+    request: web.Request, credentials: LeaseCredentials | None, open_probes: bool
+) -> None:
+    """AdminUnauthenticated unless the request carries one of ``credentials`` (none
+    configured: the listener is open; the probes are open when ``open_probes``)."""
+    if credentials is None or (open_probes and request.path in _PROBES):
+        return
+    try:
+        credentials.authenticate(request.headers.get("Authorization"))
+    except LeaseUnauthenticated:
+        raise AdminUnauthenticated(
+            "the admin listener needs a credential: Authorization: Bearer <secret> (admin_clients)"
+        ) from None

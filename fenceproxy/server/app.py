@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-import ipaddress
 import logging
 import os
 import resource
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
@@ -27,7 +27,16 @@ from typing import Any
 
 from aiohttp import web
 
-from ..config import Config, lease_credentials, parse_listen, signing_keys
+from ..config import (
+    Config,
+    TlsContexts,
+    admin_credentials,
+    is_loopback,
+    lease_credentials,
+    parse_listen,
+    signing_keys,
+    tls_contexts,
+)
 from ..errors import ConfigError, ListenError, Refusal
 from ..http.answer import Answer, problem_answer
 from ..http.edge import Bodies, connection_cap, log_accept_errors
@@ -41,6 +50,7 @@ from ..ops.metrics import Metrics
 from ..spool import SpoolFolder, default_folder
 from ..store import Store, open_store
 from ..store.url import parse_store_url
+from ..tls import reload_server, server_context
 from .lease_api import LeaseService
 from .proxy import Proxy, ProxySettings
 from .turn import JobLocks
@@ -51,7 +61,9 @@ __all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 RESTART_ONLY = (
     "listen",
+    "tls",
     "admin",
+    "admin_tls",
     "store",
     "workers",
     "idempotency.ttl",
@@ -94,6 +106,7 @@ class FenceProxy:
         self._proxy: Proxy | None = None
         self._upstreams: UpstreamPool | None = None
         self._server: DataPlane | None = None
+        self._tls: TlsContexts | None = None
         self._take(config)
 
     def restart_only(self, config: Config) -> dict[str, Any]:
@@ -121,6 +134,7 @@ class FenceProxy:
         # Everything that can fail first; then nothing but assignments.
         router = Router(config.routes)
         keys = signing_keys(config.signing, "config")
+        admin_clients = admin_credentials(config, "config")
         leases = (
             LeaseService(
                 config.leases,
@@ -132,18 +146,29 @@ class FenceProxy:
             if config.leases is not None
             else None
         )
+        if self._tls is None:
+            tls = tls_contexts(config, "config")
+        else:
+            tls = self._tls
+            _reload_certificates(tls, config)  # the last that can fail: all or none
         self.config = config
+        self._tls = tls
+        self.admin_clients = admin_clients
         self._router = router
         self._keys = keys
         self._leases = leases
         self._lease_prefix = config.leases.prefix if config.leases is not None else None
-        self._bodies.cap = config.limits.max_buffered
-        self._bodies.timeout = config.limits.body_timeout
-        self._bodies.in_memory = config.limits.body_buffer
+        limits = config.limits
+        self._bodies.cap = limits.max_buffered
+        self._bodies.timeout = limits.body_timeout
+        self._bodies.in_memory = limits.body_buffer
+        self._bodies.per_client = limits.buffered_per_client
+        self._bodies.min_rate = limits.body_min_rate
+        self._bodies.trusted = TrustedProxies(config.trusted_proxies)
         if self._store is not None:
             self._bind(self._store)
         if self._server is not None:
-            self._server.reconfigure(config.limits)
+            self._server.reconfigure(config.limits, self._bodies.trusted)
 
     def _bind(self, store: Store) -> None:
         """Put the open store to work under the current settings."""
@@ -189,6 +214,13 @@ class FenceProxy:
             )
 
     @property
+    def tls(self) -> TlsContexts:
+        """The listeners' TLS contexts: made at start, their certificates loaded again
+        on each reload."""
+        assert self._tls is not None
+        return self._tls
+
+    @property
     def store(self) -> Store:
         assert self._store is not None, "the proxy is not open"
         return self._store
@@ -232,16 +264,24 @@ class FenceProxy:
         """The data plane for :meth:`handle`, with the config's limits at the door
         (:mod:`fenceproxy.http.server`); ``kwargs`` go to it (``access_log``,
         ``max_connections``, ``handler_cancellation``)."""
-        server = self._server = DataPlane(self.handle, self.config.limits, **kwargs)
+        server = self._server = DataPlane(
+            self.handle, self.config.limits, trusted=self._bodies.trusted, **kwargs
+        )
         self.metrics.watch(
             bodies_held=lambda: self._bodies.held,
             connections=lambda: server.open_connections,
         )
         return server
 
-    def admin(self) -> web.Application:
-        """The admin listener's application (:mod:`fenceproxy.ops.admin`)."""
-        return admin_app(lambda: self.config, lambda: self.store, self.metrics)
+    def admin(self, *, private: bool = False) -> web.Application:
+        """The admin listener's application (:mod:`fenceproxy.ops.admin`); ``private``
+        (a worker's, on its supervisor's socket) takes no credentials."""
+        return admin_app(
+            lambda: self.config,
+            lambda: self.store,
+            self.metrics,
+            (lambda: None) if private else (lambda: self.admin_clients),
+        )
 
     async def handle(self, request: Request) -> Answer:
         """Answer one request: the lease API under its prefix, a route otherwise.
@@ -300,14 +340,24 @@ def _connection_cap(configured: int) -> int:
     return cap
 
 
-def _loopback(host: str) -> bool:
-    """Whether ``host`` (a listen address) reaches this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve beyond loopback
+def _reload_certificates(tls: TlsContexts, config: Config) -> None:
+    """Load the listeners' certificates again, from the same files (renewed where they
+    are); ConfigError naming the key when one cannot be loaded, the rest as they were."""
+    pairs = [
+        (key, context, spec.server())
+        for key, context in (("tls", tls.listener), ("admin_tls", tls.admin))
+        if context is not None and (spec := getattr(config, key)) is not None
+    ]
+    problems = []
+    for key, _, spec in pairs:  # every pair tried before any is put in place
+        try:
+            server_context(spec)
+        except ValueError as exc:
+            problems.append((key, str(exc)))
+    if problems:
+        raise ConfigError("config", problems)
+    for _, context, spec in pairs:
+        reload_server(context, spec)
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -334,6 +384,7 @@ async def serve(
     serves its admin application on the seat's own socket for the supervisor."""
     if seat is None or seat.index == 0:
         _warn_open_lease_api(config)
+        _warn_unverified_upstreams(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -358,14 +409,18 @@ async def serve(
             proxy.server(access_log=access_log, max_connections=max_connections),
             config.shutdown_timeout,
         )
-        admin = web.AppRunner(proxy.admin(), access_log=None, handle_signals=False)
+        admin = web.AppRunner(
+            proxy.admin(private=seat is not None), access_log=None, handle_signals=False
+        )
         await admin.setup()
         try:
-            await _listen_plane(listener, config.listen, reuse_port=seat is not None)
+            await _listen_plane(
+                listener, config.listen, reuse_port=seat is not None, tls=proxy.tls.listener
+            )
             if seat is not None:
                 await web.UnixSite(admin, seat.admin_socket).start()
             elif config.admin is not None:
-                await _listen(admin, config.admin)
+                await _listen(admin, config.admin, tls=proxy.tls.admin)
             ready()
             serving.append(proxy)
             if asked:
@@ -412,9 +467,20 @@ def _reload(proxy: FenceProxy, source: str, read: Reader) -> None:
         server_log.info("reloaded %s: %d route(s)", source, len(config.routes))
 
 
+def _warn_unverified_upstreams(config: Config) -> None:
+    for route in config.routes:
+        if route.tls is not None and not route.tls.verify:
+            server_log.warning(
+                "route %r does not verify its upstream's TLS certificate (tls.verify: false): "
+                "anyone who can reach the path to %s can read and change its writes",
+                route.name,
+                route.upstream,
+            )
+
+
 def _warn_open_lease_api(config: Config) -> None:
     host = parse_listen(config.listen)[0]
-    if config.leases is not None and not config.leases.clients and not _loopback(host):
+    if config.leases is not None and not config.leases.clients and not is_loopback(host):
         server_log.warning(
             "the lease API on %s takes no credentials: anyone who reaches it can claim, "
             "renew, complete or release any lease (set leases.clients)",
@@ -451,16 +517,20 @@ def notify_systemd(state: str) -> None:
         sock.sendall(state.encode())
 
 
-async def _listen(runner: web.BaseRunner, address: str) -> None:
+async def _listen(
+    runner: web.BaseRunner, address: str, *, tls: ssl.SSLContext | None = None
+) -> None:
     host, port = parse_listen(address)
     with _listening(address):
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=tls).start()
 
 
-async def _listen_plane(listener: Listener, address: str, *, reuse_port: bool) -> None:
+async def _listen_plane(
+    listener: Listener, address: str, *, reuse_port: bool, tls: ssl.SSLContext | None
+) -> None:
     host, port = parse_listen(address)
     with _listening(address):
-        await listener.listen(host, port, reuse_port=reuse_port)
+        await listener.listen(host, port, reuse_port=reuse_port, tls=tls)
 
 
 @contextlib.contextmanager

@@ -153,7 +153,9 @@ class LeaseService:
             return Answer(200, headers, self._openapi)
         caller = None
         if self._credentials is not None:  # before anything else is told
-            caller = self._credentials.authenticate(request.headers.get("Authorization"))
+            caller = self._credentials.authenticate(
+                request.headers.get("Authorization"), request.subject
+            )
         parts = path[len(self.spec.prefix) :].split("/")
         if len(parts) == 2 and parts[1] and request.method in ("GET", "HEAD"):
             return await self.show(request, _scoped_job(parts[1], caller))
@@ -249,7 +251,7 @@ class LeaseService:
         return result, now
 
     async def _parse(self, request: Request, schema: type[_Body]) -> Any:
-        held = await self._bodies.read(request, _MAX_BODY)
+        held = await self._bodies.read(request, _MAX_BODY, lease=True)
         try:
             data = json.loads(held.data)
         except (ValueError, RecursionError):

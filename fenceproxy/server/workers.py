@@ -11,7 +11,8 @@ The supervisor:
 
 * is ready (and tells systemd so) once every worker listens; a worker that cannot
   start (its port or store) ends the start, with its own error printed;
-* passes SIGHUP on to every worker, each of which reloads the config file itself;
+* passes SIGHUP on to every worker, each of which reloads the config file itself,
+  and loads its admin listener's certificate again;
 * on SIGTERM or SIGINT passes SIGTERM on and waits for every worker to drain (each
   within ``shutdown_timeout``), then exits;
 * starts a worker that died again (a second later if it died within
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -48,10 +50,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..config import Config, parse_listen
-from ..errors import ListenError, ProxyBusy, RequestMalformed
+from ..config import Config, admin_credentials, parse_listen, tls_contexts
+from ..errors import ListenError, ProxyBusy, Refusal, RequestMalformed
 from ..http.edge import PROBLEM_JSON, problem_response
+from ..leases.auth import LeaseCredentials
 from ..log import server_log
+from ..ops.admin import authenticate
+from ..tls import reload_server
 
 __all__ = ["Seat", "merge_metrics", "supervise", "worker_argv"]
 
@@ -156,10 +161,16 @@ async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], obj
         loop.add_signal_handler(signum, stop.set)
     folder = Path(tempfile.mkdtemp(prefix="fenceproxy-workers-"))
     workers = [_Worker(i, argv, folder) for i in range(config.workers)]
+    admin_tls = tls_contexts(config, "config").admin
 
     def hup() -> None:
         for worker in workers:
             worker.signal(signal.SIGHUP)
+        if admin_tls is not None and config.admin_tls is not None:
+            try:  # the admin listener's certificate, renewed at the same path
+                reload_server(admin_tls, config.admin_tls.server())
+            except ValueError as exc:
+                server_log.error("admin_tls: %s; the admin listener keeps its certificate", exc)
 
     loop.add_signal_handler(signal.SIGHUP, hup)
     admin: web.AppRunner | None = None
@@ -169,11 +180,12 @@ async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], obj
             server_log.error("a worker could not start; stopping the others")
             return 2
         if config.admin is not None:
-            admin = web.AppRunner(_admin_app(workers), access_log=None, handle_signals=False)
+            app = _admin_app(workers, admin_credentials(config, "config"), config.admin_probes)
+            admin = web.AppRunner(app, access_log=None, handle_signals=False)
             await admin.setup()
             host, port = parse_listen(config.admin)
             try:
-                await web.TCPSite(admin, host, port).start()
+                await web.TCPSite(admin, host, port, ssl_context=admin_tls).start()
             except OSError as exc:
                 reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
                 raise ListenError(f"cannot listen on {config.admin}: {reason}") from None
@@ -261,7 +273,9 @@ class _Fixed:
         return self._families
 
 
-def _admin_app(workers: list[_Worker]) -> web.Application:
+def _admin_app(
+    workers: list[_Worker], credentials: LeaseCredentials | None, probes: str
+) -> web.Application:
     async def metrics(request: web.Request) -> web.StreamResponse:
         answers = await asyncio.gather(*(w.ask("/metrics") for w in workers))
         pages = [(w.index, body.decode()) for w, (_, body, _) in zip(workers, answers, strict=True)]
@@ -288,7 +302,16 @@ def _admin_app(workers: list[_Worker]) -> web.Application:
         path = request.rel_url.with_query(rest)
         return _answer(*await _ask(workers[int(which)], str(path)))
 
-    app = web.Application()
+    @web.middleware
+    async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            authenticate(request, credentials, probes == "open")
+        except Refusal as refusal:
+            return problem_response(refusal)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app = web.Application(middlewares=[gate])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", every)
     app.router.add_get("/readyz", every)

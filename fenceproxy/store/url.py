@@ -8,7 +8,16 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import SplitResult, parse_qs, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import (
+    SplitResult,
+    parse_qs,
+    parse_qsl,
+    quote,
+    unquote,
+    urlencode,
+    urlsplit,
+    urlunsplit,
+)
 
 __all__ = ["StoreURL", "absolute_store_url", "parse_store_url"]
 
@@ -49,6 +58,9 @@ _HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\[\]:/@,]+)(?::(?P<port>[0-9]{1,5})
 # What the store's connections must find: a server that takes writes. Any other
 # choice of libpq's would let a decision be made on a standby, which cannot record it.
 _SESSION_ATTRS = ("read-write", "primary")
+_SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+# The driver's options that name files: relative to the config file's folder.
+_SSL_FILES = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
 
 
 def parse_store_url(value: str) -> StoreURL:
@@ -57,7 +69,9 @@ def parse_store_url(value: str) -> StoreURL:
     ``postgres://``, and several hosts: ``user@h1:5432,h2:5432``) with optional
     ``?pool=N``, ``?password_env=NAME`` and ``?require_sync=true``, other options
     going to the driver: ``target_session_attrs=read-write`` among them unless
-    ``primary`` is given, and ``application_name=fenceproxy`` unless another is.
+    ``primary`` is given, ``application_name=fenceproxy`` unless another is, and
+    TLS as libpq takes it (``sslmode=verify-full&sslrootcert=ca.pem``, a client
+    certificate with ``sslcert`` and ``sslkey``).
     Raises ValueError, also for a password written into the URL: it belongs in the
     environment."""
     parts = urlsplit(value)
@@ -101,6 +115,9 @@ def _parse_postgres_url(parts: SplitResult) -> StoreURL:
     require_sync = options.pop("require_sync", ["false"])[-1]
     if require_sync not in ("true", "false"):
         raise ValueError("?require_sync= takes true or false")
+    sslmode = options.get("sslmode", ["prefer"])[-1]
+    if sslmode not in _SSL_MODES:
+        raise ValueError(f"?sslmode= takes one of {', '.join(_SSL_MODES)}")
     options.setdefault("application_name", ["fenceproxy"])  # in pg_stat_activity
     attrs = options.setdefault("target_session_attrs", ["read-write"])
     if attrs[-1] not in _SESSION_ATTRS:
@@ -125,10 +142,23 @@ def absolute_store_url(value: str, base: str | os.PathLike[str]) -> str:
     so the store is the same whatever the working directory; raises ValueError."""
     parsed = parse_store_url(value)
     if parsed.backend != "sqlite":
-        return value
+        return _absolute_ssl_files(value, base)
     path = parsed.path
     if os.path.isabs(path):
         return value
     query = urlsplit(value).query
     absolute = os.path.abspath(os.path.join(base, path))
     return f"sqlite:///{quote(absolute)}" + (f"?{query}" if query else "")
+
+
+def _absolute_ssl_files(value: str, base: str | os.PathLike[str]) -> str:
+    """A PostgreSQL URL with its relative TLS files (``sslrootcert`` and the like) made
+    absolute against the folder ``base``."""
+    parts = urlsplit(value)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if not any(k in _SSL_FILES and not os.path.isabs(v) for k, v in pairs):
+        return value
+    pairs = [
+        (k, os.path.abspath(os.path.join(base, v)) if k in _SSL_FILES else v) for k, v in pairs
+    ]
+    return urlunsplit(parts._replace(query=urlencode(pairs)))
