@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository's tests/ helpers
 
 from fenceproxy.testing import free_port  # noqa: E402
+from tests.certs import Certificates  # noqa: E402
 from tests.nginx import NGINX, temp_paths  # noqa: E402
 from tests.postgres import PostgresServer, postgres_bin, sql  # noqa: E402
 
@@ -422,6 +423,7 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             count: int = 1,
             extra: str = "",
             cores: set[int] | None = SERVER_CORE,
+            scheme: str = "http",
         ) -> tuple[list[int], list[str]]:
             """``count`` proxies on ``store``: their pids and URLs."""
             config = proxy_config(directory, name, upstream_port, store, extra)
@@ -441,7 +443,7 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
                     "auto",
                 ]
                 pids.append(processes.start(f"{name}-{n}", argv, port, cores).pid)
-                urls.append(f"http://127.0.0.1:{port}")
+                urls.append(f"{scheme}://127.0.0.1:{port}")
             return pids, urls
 
         def migrate(name: str, store: str) -> None:
@@ -449,7 +451,9 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             command = [sys.executable, "-m", "fenceproxy", "migrate", "-c", str(config)]
             subprocess.run(command, check=True, capture_output=True)
 
-        def sqlite_setup(name: str, load: Load, prefill: int = 0, extra: str = "") -> None:
+        def sqlite_setup(
+            name: str, load: Load, prefill: int = 0, extra: str = "", scheme: str = "http"
+        ) -> None:
             if not wanted(name):
                 return
             path = directory / f"{name}.db"
@@ -457,11 +461,16 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             if prefill:
                 migrate(name, store)
                 prefill_sqlite(path, prefill)
-            pids, urls = proxies(name, store, extra=extra)
+            pids, urls = proxies(name, store, extra=extra, scheme=scheme)
             result.append(Setup(name, urls, lambda: pids, lambda: pids, load))
 
         sqlite_setup("pass-through", Load(path="/open/x"))
         sqlite_setup("fenced", Load())
+        # The same over TLS (1.3, wrk's keep-alive connections: one handshake each).
+        if wanted("fenced tls"):
+            cert, key = Certificates(directory / "tls").server()
+            tls = f"tls: {{cert: {cert}, key: {key}}}"
+            sqlite_setup("fenced tls", Load(), extra=tls, scheme="https")
         # Every decision logged, as JSON, to a file: what a decision line costs.
         sqlite_setup(
             "logged",
@@ -618,6 +627,8 @@ def targets(rows: dict[str, Setup]) -> list[str]:
             0.5,
         ),
         ("hot job, job order, vs fenced", ratio("hot job", "fenced", "rps"), None, 0),
+        ("fenced over TLS req/s vs plain", ratio("fenced tls", "fenced", "rps"), None, 0),
+        ("fenced over TLS CPU/request vs plain", ratio("fenced tls", "fenced", "cpu_us"), None, 0),
         (
             "workers: 2 pass-through >= 1.7x workers: 1",
             ratio("w2 pass-through", "w1 pass-through", "rps"),
