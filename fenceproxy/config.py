@@ -443,8 +443,8 @@ class LimitsSpec(_Model):
     max_connections: int = Field(default=10_000, ge=1)
     """Open client connections; lowered at start to fit the descriptor limit."""
     max_connections_per_client: int | None = Field(default=None, ge=1)
-    """Of those, the most one client may hold (its address, or behind a trusted proxy
-    the address X-Forwarded-For names); unset: a tenth of ``max_connections``."""
+    """Of those, the most one client (its address) may hold; a trusted proxy's have
+    no such share. Unset: a tenth of ``max_connections`` as lowered at start."""
     max_buffered: Size = 256 * 1024**2
     """Request bodies held in memory at once, every request together: beyond it,
     503 with Retry-After. Bodies kept on disk do not count. A sixteenth of it is
@@ -470,10 +470,6 @@ class LimitsSpec(_Model):
         if value is not None and (not value.strip() or "\0" in value):
             raise ValueError("expected the path of a folder")
         return value
-
-    @property
-    def connections_per_client(self) -> int:
-        return self.max_connections_per_client or max(1, self.max_connections // 10)
 
     @property
     def buffered_per_client(self) -> int:
@@ -714,8 +710,9 @@ def lease_credentials(spec: LeasesSpec | None, source: str) -> LeaseCredentials 
     the API is off or open."""
     if spec is None or not spec.clients:
         return None
-    bearers = [client for client in spec.clients if client.subject is None]
-    secrets = iter(_read_secrets(source, "leases.clients", tuple(bearers), _bearer_secret))
+    places = tuple(n for n, client in enumerate(spec.clients) if client.subject is None)
+    bearers = [spec.clients[n] for n in places]
+    secrets = iter(_read_secrets(source, "leases.clients", tuple(bearers), _bearer_secret, places))
     try:
         return LeaseCredentials(
             (client.name, next(secrets), client.job_prefix) for client in bearers
@@ -796,15 +793,20 @@ def _bearer_secret(text: str) -> str:
 
 
 def _read_secrets(
-    source: str, key: str, specs: tuple[_SecretSpec, ...], decode: Callable[[str], T]
+    source: str,
+    key: str,
+    specs: tuple[_SecretSpec, ...],
+    decode: Callable[[str], T],
+    positions: tuple[int, ...] | None = None,
 ) -> list[T]:
-    """Each secret of ``specs`` (the list at ``key``), decoded; ConfigError naming
+    """Each secret of ``specs`` (the list at ``key``, each at its place in
+    ``positions`` when they are not all of it), decoded; ConfigError naming
     ``source`` and every one that is missing or malformed. A relative file is taken
     from the working directory: ``load_config`` has made the file's own relative paths
     absolute."""
     values: list[T] = []
     problems: list[tuple[str, str]] = []
-    for n, spec in enumerate(specs):
+    for n, spec in zip(positions or range(len(specs)), specs, strict=True):
         if spec.env is not None:
             where, text = f"{key}[{n}].env", os.environ.get(spec.env)
             if text is None:

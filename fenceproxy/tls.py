@@ -13,8 +13,8 @@ keep what they were made with, new ones get the new pair, and a pair that cannot
 be loaded leaves the context as it was. (A context cannot forget a CA it trusts, so
 another client CA takes a restart.)
 
-An upstream's context verifies the upstream's certificate against the system's CAs
-or the route's own, for the route's ``server_name`` or the upstream's host, and
+An upstream's context verifies the upstream's certificate against the system's CAs,
+or the route's CA alone, for the route's ``server_name`` or the upstream's host, and
 presents the route's client certificate when it has one; ``verify: false`` turns
 verification off (the proxy warns at start).
 """
@@ -61,7 +61,9 @@ def server_context(spec: ServerTLS) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # the standard library's ciphers
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(_ALPN)
-    context.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
+    context.options |= (
+        ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_RENEGOTIATION
+    )
     _load_chain(context, spec.cert, spec.key)
     if spec.client_ca is not None:
         _load_ca(context, spec.client_ca)
@@ -80,11 +82,13 @@ def reload_server(context: ssl.SSLContext, spec: ServerTLS) -> None:
 def client_context(spec: ClientTLS | None) -> ssl.SSLContext:
     """An upstream's context; ValueError naming the file that cannot be loaded."""
     spec = spec or ClientTLS()
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    if spec.ca is None:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)  # the system's CAs
+    else:  # that CA alone (hostnames checked and certificates required, as by default)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        _load_ca(context, spec.ca)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(_ALPN)
-    if spec.ca is not None:
-        _load_ca(context, spec.ca)
     if spec.cert is not None and spec.key is not None:
         _load_chain(context, spec.cert, spec.key)
     if not spec.verify:
@@ -113,6 +117,8 @@ def parse_subject(text: str) -> dict[str, str]:
         name, value = name.strip(), value.strip()
         if not sep or not name or not value:
             raise ValueError(f"expected ATTRIBUTE=VALUE pairs such as CN=worker-a, not {part!r}")
+        if name not in _KNOWN:
+            raise ValueError(f"{name} is not one of {', '.join(sorted(_KNOWN, key=str.lower))}")
         if name in found:
             raise ValueError(f"{name} is given twice")
         found[name] = value
@@ -135,6 +141,9 @@ _SHORT = {
     "emailAddress": "emailAddress",
     "serialNumber": "serialNumber",
 }
+
+
+_KNOWN = frozenset(_SHORT.values())
 
 
 def _load_chain(context: ssl.SSLContext, cert: str, key: str) -> None:

@@ -12,16 +12,29 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp.test_utils import TestClient
 
+from fenceproxy.config import LimitsSpec
 from fenceproxy.http.edge import Bodies
-from fenceproxy.testing import RecordingUpstream, eventually, listening
+from fenceproxy.http.server import DataPlane
+from fenceproxy.http.upstream import TrustedProxies
+from fenceproxy.testing import (
+    ProxyProcess,
+    RecordingUpstream,
+    eventually,
+    free_port,
+    listening,
+)
 
+from .certs import Certificates
 from .conftest import ProxyFactory, fenced
 from .test_edge import answer_of, kind
 
@@ -269,6 +282,8 @@ async def test_a_client_whose_connections_are_all_busy_is_refused_and_not_anothe
         status, problem = answer_of(await reader.read())
     writer.close()
     assert (status, kind(problem)) == (503, "proxy-busy")
+    assert problem is not None
+    assert "limits.max_connections_per_client" in problem["detail"]
     reader, writer = await idle(proxy.port, "127.0.0.3")
     writer.write(b"GET /billing/other HTTP/1.1\r\nHost: api\r\n\r\n")
     release()
@@ -308,6 +323,39 @@ async def test_behind_a_trusted_proxy_the_share_is_the_forwarded_clients(
             assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
         writer.close()
     assert [r.job for r in upstream.received] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("forwarded", "client"),
+    [
+        (b"203.0.113.7, 10.0.0.1", "10.0.0.1"),
+        (b"203.0.113.7:5151", "203.0.113.7"),  # a port, as some balancers add
+        (b"[2001:db8::0:7]:443", "2001:db8::7"),  # one client, however it is spelled
+        (b"203.0.113.7, 127.0.0.9", "203.0.113.7"),  # the trusted hop is passed over
+        (b"203.0.113.7, unknown", "127.0.0.2"),  # not an address: the peer
+        (b"", "127.0.0.2"),
+    ],
+)
+def test_the_client_behind_a_trusted_proxy_is_its_first_untrusted_address(
+    forwarded: bytes, client: str
+) -> None:
+    """Whom a share belongs to, behind a trusted proxy: the first address from the
+    right of X-Forwarded-For that is not a trusted proxy, in one spelling, so that a
+    port or another form of the same address is not a new client with a new share;
+    an entry that is not an address ends what can be believed, and the peer stands."""
+    trusted = TrustedProxies(["127.0.0.0/8"])
+    assert trusted.client("127.0.0.2", [(b"X-Forwarded-For", forwarded)]) == client
+    assert TrustedProxies([]).client("127.0.0.2", [(b"X-Forwarded-For", forwarded)]) == "127.0.0.2"
+
+
+def test_a_clients_share_of_connections_is_a_tenth_of_the_cap_as_lowered() -> None:
+    """Unset, one client may hold a tenth of the connections the proxy will really
+    take (the cap lowered to fit the descriptor limit), not of the configured one."""
+    handler: Any = None
+    assert DataPlane(handler, LimitsSpec(), max_connections=300).connections_per_client == 30
+    assert DataPlane(handler, LimitsSpec(), max_connections=5).connections_per_client == 1
+    limits = LimitsSpec(max_connections_per_client=7)
+    assert DataPlane(handler, limits, max_connections=300).connections_per_client == 7
 
 
 async def test_a_pass_through_upload_to_an_upstream_that_stops_reading_is_cut(
@@ -357,3 +405,146 @@ async def test_a_pass_through_upload_to_an_upstream_that_stops_reading_is_cut(
         answered.set()
         async with asyncio.timeout(10):
             await closed.wait()
+
+
+async def test_tls_handshakes_that_never_end_are_counted_and_make_room(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """50 connections to a TLS listener that never send a ClientHello, from one
+    address: counted from the moment they are accepted, so that client keeps its 5
+    (the least recently active closed for each newcomer), and a client from another
+    address still shakes hands and is served."""
+    certs = Certificates(tmp_path / "tls")
+    cert, key = certs.server()
+    config = tmp_path / "proxy.yaml"
+    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "store": f"sqlite:///{tmp_path / 'fences.db'}",
+                "routes": [route],
+                "tls": {"cert": str(cert), "key": str(key)},
+                "limits": {"max_connections_per_client": 5},
+            }
+        )
+    )
+    proxy = await ProxyProcess(config, free_port()).start()
+    silent = [await idle(proxy.port, "127.0.0.2") for _ in range(50)]
+    try:
+        async with asyncio.timeout(20):
+            ended = await asyncio.gather(*(reader.read() for reader, _ in silent[:45]))
+        assert ended == [b""] * 45  # closed by the proxy, never answered in clear
+        context = ssl.create_default_context(cafile=str(certs.ca_file))
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", proxy.port, ssl=context, server_hostname="localhost"
+        )
+        writer.write(
+            b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: j\r\nFencing-Token: 1\r\n"
+            b"Content-Length: 2\r\n\r\n{}"
+        )
+        async with asyncio.timeout(10):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        writer.close()
+    finally:
+        for _, writer in silent:
+            writer.close()
+        await proxy.stop()
+    assert len(upstream.received) == 1
+
+
+async def test_every_read_of_one_client_counts_against_one_share(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Reads waiting for their bodies, a write of the same client that ends between,
+    and reads begun after it: all of them one share, however the share came and went
+    with the bytes it held."""
+    proxy = await start_proxy(limits={"max_buffered_per_client": "1MiB"})
+    bodies = bodies_of(proxy)
+    size = 600 * 1024
+    head = (
+        b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: %s\r\nFencing-Token: 1\r\n"
+        b"Content-Length: %d\r\n\r\n"
+    )
+    waiting = []
+    for n in range(2):
+        waiting.append(await idle(proxy.port, "127.0.0.2"))
+        waiting[-1][1].write(head % (b"w%d" % n, size))
+    await eventually(lambda: bodies._shares["127.0.0.2"].reading == 2)
+    _, between = await idle(proxy.port, "127.0.0.2")  # a write that ends meanwhile
+    between.write(head % (b"between", 2) + b"{}")
+    await upstream.wait_for(1)
+    await eventually(lambda: bodies._shares["127.0.0.2"].held == 0)
+    for n in range(2, 4):
+        waiting.append(await idle(proxy.port, "127.0.0.2"))
+        waiting[-1][1].write(head % (b"w%d" % n, size))
+    await eventually(lambda: bodies._shares["127.0.0.2"].reading == 4)
+    release = upstream.hold()  # the bodies stay held while their writes are upstream
+    for _, writer in waiting:
+        writer.write(b"w" * size)
+    reads = [asyncio.ensure_future(reader.read()) for reader, _ in waiting]
+    answered: set[asyncio.Future[bytes]] = set()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(10):
+            while len(answered) < 3:
+                done, _ = await asyncio.wait(set(reads) - answered, return_when="FIRST_COMPLETED")
+                answered |= done
+    answers = [answer_of(read.result()) for read in answered]
+    # At most one fits the client's 1 MiB: three refused, whichever came first.
+    assert [(status, kind(problem)) for status, problem in answers] == [(503, "proxy-busy")] * 3
+    assert bodies.held <= MIB
+    release()
+    for read in reads:
+        read.cancel()
+    for _, writer in (*waiting, (None, between)):
+        writer.close()
+
+
+async def test_with_a_minimum_rate_a_pause_is_still_held_to_the_body_timeout(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """A body that met the rate and then stops is cut by ``body_timeout`` (1 s), not
+    when a window later finds it too slow."""
+    proxy = await start_proxy(limits={"body_timeout": "1s", "body_min_rate": 1})
+    reader, writer = await idle(proxy.port, "127.0.0.2")
+    writer.write(
+        b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: j\r\nFencing-Token: 1\r\n"
+        b"Content-Length: 100\r\n\r\n" + b"p" * 50
+    )
+    async with asyncio.timeout(10):
+        status, problem = answer_of(await reader.read())
+    writer.close()
+    assert (status, kind(problem)) == (408, "body-timeout")
+    assert problem is not None
+    assert problem["detail"].startswith("no part of the body arrived for 1s")
+    assert upstream.received == []
+
+
+async def test_an_upload_to_an_upstream_that_resets_is_answered_without_reading_the_rest(
+    start_proxy: ProxyFactory,
+) -> None:
+    """The upstream resets the connection after the head: the client is answered 502
+    while it is still sending, not after its whole body was read into a dead socket."""
+
+    async def resets(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.transport.abort()
+
+    async with listening(resets) as url:
+        route = {"name": "files", "path": "/files/", "upstream": url, "fence": False}
+        proxy = await start_proxy([route])
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        pieces = 150  # 9.4 MiB, within the route's 10 MiB max_body
+        writer.write(
+            b"PUT /files/x HTTP/1.1\r\nHost: api\r\nContent-Length: %d\r\n\r\n" % (pieces * 65536)
+        )
+        answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        sent = 0
+        while not answer.done() and sent < pieces:
+            writer.write(b"r" * 65536)
+            sent += 1
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            head = await answer
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 502 ")
+    assert sent < pieces

@@ -382,6 +382,26 @@ async def test_an_upstream_certificate_the_proxy_cannot_verify_is_a_502_naming_t
     assert upstream.received == []
 
 
+async def test_a_routes_ca_is_the_only_one_its_upstream_may_chain_to(
+    start_proxy: ProxyFactory,
+    certs: Certificates,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a CA of its own, a route does not trust the system's beside it: a
+    certificate from a CA the system trusts cannot stand in for the private one."""
+    monkeypatch.setenv("SSL_CERT_FILE", str(certs.ca_file))  # the system trusts it
+    private = Certificates(tmp_path / "private")
+    async with tls_upstream(certs) as (upstream, _):
+        own = {"name": "ledger", "path": "/ledger/", "upstream": upstream.url}
+        proxy = await start_proxy([*route(upstream), {**own, "tls": {"ca": str(private.ca_file)}}])
+        assert (await fenced(proxy, "invoice-1", 1)).status == 200  # the system's CAs
+        answer = await fenced(proxy, "invoice-2", 1, path="/ledger/charges")
+        body = await problem(answer, 502, "upstream-unreachable")
+        assert "unable to get local issuer certificate" in body["detail"]
+    assert len(upstream.received) == 1
+
+
 @pytest.mark.parametrize(
     ("server", "tls", "why"),
     [
@@ -610,6 +630,34 @@ def test_listener_files_that_cannot_be_loaded_are_config_errors_naming_them(
             load_config(path)
         assert f"{path}: {key}" in str(refused.value)
         assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("clients", "key", "message"),
+    [
+        ([{"name": "a", "subject": "CN=a, Role=admin"}], "leases.clients[0].subject",
+         "Role is not one of C, CN, emailAddress, L, O, OU, serialNumber, ST"),
+        ([{"name": "a", "subject": "CN=a"}, {"name": "b", "env": "FP_UNSET_SECRET"}],
+         "leases.clients[1].env", "not set"),
+    ],
+    ids=["unknown-attribute", "bearer-after-subject"],
+)  # fmt: skip
+def test_lease_clients_by_subject_are_checked_and_named_at_their_place(
+    tmp_path: Path,
+    certs: Certificates,
+    monkeypatch: pytest.MonkeyPatch,
+    clients: list[dict[str, str]],
+    key: str,
+    message: str,
+) -> None:
+    certs.server()
+    monkeypatch.delenv("FP_UNSET_SECRET", raising=False)
+    tls = {**LISTENER, "client_ca": "tls/ca.pem"}
+    path = write_config(tmp_path, "http://127.0.0.1:9", tls=tls, leases={"clients": clients})
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert f"{path}: {key}: " in str(refused.value)
+    assert message in str(refused.value)
 
 
 # -- the admin listener ------------------------------------------------------------

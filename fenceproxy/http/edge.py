@@ -140,13 +140,15 @@ def log_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class Share:
-    """One client's bodies held in memory, and how much it may hold."""
+    """One client's bodies held in memory, and the reads of its bodies under way: kept
+    while either is above zero, so every read of one client counts against one share."""
 
-    __slots__ = ("client", "held")
+    __slots__ = ("client", "held", "reading")
 
     def __init__(self, client: str) -> None:
         self.client = client
         self.held = 0
+        self.reading = 0
 
 
 class Bodies:
@@ -229,17 +231,23 @@ class Bodies:
             to_file = spill and (request.content_length or 0) > self.in_memory
             return await self._gather(pieces, limit, to_file, spill, digest, share, budget)
         finally:
-            self._drop_share(share)
+            self._read_ended(share)
 
     def _share(self, client: str) -> Share:
+        """``client``'s share, with one more read under way."""
         share = self._shares.get(client)
         if share is None:
             share = self._shares[client] = Share(client)
+        share.reading += 1
         return share
 
+    def _read_ended(self, share: Share) -> None:
+        share.reading -= 1
+        self._drop_share(share)
+
     def _drop_share(self, share: Share) -> None:
-        if share.held == 0 and self._shares.get(share.client) is share:
-            del self._shares[share.client]
+        if share.held == 0 and share.reading == 0:
+            self._shares.pop(share.client, None)
 
     async def _gather(
         self,
@@ -314,40 +322,47 @@ class Bodies:
 
     async def _chunks(self, body: Body, min_rate: int) -> AsyncIterator[bytes]:
         """Each piece of the body as it arrives; BodyTimeout when none comes for
-        ``timeout`` (only the wait for the client counts, never the time the caller
-        takes between pieces), or, with ``min_rate``, when fewer than ``min_rate``
-        bytes a second came over a window (:data:`RATE_WINDOW`, or ``timeout`` when
-        shorter); ClientClosedRequest when the client goes away or its connection
+        ``timeout``, or, with ``min_rate``, when fewer than ``min_rate`` bytes a second
+        came over a window (:data:`RATE_WINDOW`, or ``timeout`` when shorter). Only
+        the wait for the client counts, never the time the caller takes between
+        pieces. ClientClosedRequest when the client goes away or its connection
         fails, RequestMalformed when its framing breaks (the parser's refusal). None
         of them is an upstream's failure."""
         loop = asyncio.get_running_loop()
         window = min(RATE_WINDOW, self.timeout)
-        since = loop.time()  # the window's start, and what had come by then
-        came = body.received
+        waited, came = 0.0, body.received  # the window's wait so far; what came before it
+        pause = 0.0  # the wait for the next piece so far
         while True:
-            now = loop.time()
-            wait = self.timeout if not min_rate else min(self.timeout, since + window - now)
+            wait = self.timeout - pause
+            if min_rate:
+                wait = min(wait, window - waited)
+            start = loop.time()
+            chunk: bytes | None = None
             try:
                 async with asyncio.timeout(max(wait, 0.0)):
                     chunk = await body.next()
             except TimeoutError:
-                if not min_rate or loop.time() < since + window:
-                    raise BodyTimeout(
-                        f"no part of the body arrived for {self.timeout:g}s; "
-                        "nothing was forwarded complete"
-                    ) from None
-                chunk = None  # the window is over: judged below
+                pass  # the pause or the window is over: judged below
             except OSError:
                 raise ClientClosedRequest("the client's connection closed mid-body") from None
-            if min_rate and loop.time() >= since + window:
+            spent = loop.time() - start
+            pause += spent
+            waited += spent
+            if chunk is None and pause >= self.timeout:
+                raise BodyTimeout(
+                    f"no part of the body arrived for {self.timeout:g}s; "
+                    "nothing was forwarded complete"
+                )
+            if min_rate and waited >= window:
                 if body.received - came < min_rate * window:
                     raise BodyTimeout(
                         f"the body arrived at less than {min_rate} bytes a second over "
                         f"{window:g}s (limits.body_min_rate); nothing was forwarded complete"
                     )
-                since, came = loop.time(), body.received
+                waited, came = 0.0, body.received
             if chunk is None:
                 continue
+            pause = 0.0
             if not chunk:
                 return
             yield chunk

@@ -627,12 +627,14 @@ async def _send_stream(
             transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
         else:
             transport.write(chunk)
-        if conn.writing_paused:
-            try:
-                async with asyncio.timeout(within):
-                    await conn.drain()
-            except TimeoutError:
-                raise body_not_taken(within) from None
+        if not conn.writing_paused:
+            await conn.drain()  # at once; raises when the upstream is gone
+            continue
+        try:
+            async with asyncio.timeout(within):
+                await conn.drain()
+        except TimeoutError:
+            raise body_not_taken(within) from None
     if chunked:
         transport.write(b"0\r\n\r\n")
     elif left:

@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import time
 from collections import OrderedDict, deque
@@ -200,23 +201,31 @@ class DataPlane:
         """Every open connection, least recently active first."""
         return list(self._open)
 
-    def opened(self, conn: Connection) -> bool:
-        """Count a new connection in; False when it must be refused. Beyond its
-        client's share, the client's own least recently active connection not being
-        worked for is closed for it, or it is refused; beyond the cap, anyone's."""
+    @property
+    def connections_per_client(self) -> int:
+        """The most connections one client may hold: the configured share, or a tenth
+        of the cap (as lowered to fit the descriptor limit)."""
+        return self.limits.max_connections_per_client or max(1, self.max_connections // 10)
+
+    def opened(self, conn: Connection) -> str | None:
+        """Count a new connection in (a TLS one from before its handshake); the limit
+        that refuses it, if one does. Beyond its client's share, the client's own
+        least recently active connection not being worked for is closed for it, or
+        it is refused; beyond the cap, anyone's."""
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().call_later(self.tick, self._watch)
         self._open[conn] = None
         client = conn.peer or "unknown"
         if client not in self.trusted:  # behind a trusted proxy, many clients: no share
+            conn.counted_as = client
             self._per_client[client] = self._per_client.get(client, 0) + 1
-            if self._per_client[client] > self.limits.connections_per_client:
-                mine = (c for c in self._open if c.peer == conn.peer)
-                return self._make_room(conn, mine, "its client's share of connections "
-                                       "(limits.max_connections_per_client)")  # fmt: skip
+            if self._per_client[client] > self.connections_per_client:
+                mine = (c for c in self._open if c.counted_as == client)
+                if not self._make_room(conn, mine, _CLIENT_SHARE):
+                    return _CLIENT_SHARE
         if len(self._open) <= self.max_connections:
-            return True
-        return self._make_room(conn, iter(self._open), "limits.max_connections")
+            return None
+        return None if self._make_room(conn, iter(self._open), _CAP) else _CAP
 
     def _make_room(self, conn: Connection, among: Iterator[Connection], limit: str) -> bool:
         """Close the least recently active of ``among`` not being worked for, to make
@@ -239,13 +248,16 @@ class DataPlane:
         victim.abort()
         return True
 
+    def is_open(self, conn: Connection) -> bool:
+        return conn in self._open
+
     def touched(self, conn: Connection) -> None:
         if conn in self._open:
             self._open.move_to_end(conn)
 
     def closed(self, conn: Connection) -> None:
-        if self._open.pop(conn, False) is None:  # counted in, and not yet out
-            client = conn.peer or "unknown"
+        if self._open.pop(conn, False) is None and conn.counted_as is not None:
+            client, conn.counted_as = conn.counted_as, None  # counted out once
             left = self._per_client.get(client, 0) - 1
             if left > 0:
                 self._per_client[client] = left
@@ -313,6 +325,10 @@ class Connection(Flow):
         self._plane = plane
         self._loop = asyncio.get_running_loop()
         self.peer: str | None = None
+        self.counted_as: str | None = None
+        """The client whose share of connections this one counts against, if any."""
+        self.handshaking: socket.socket | None = None
+        """Its socket while its TLS handshake is under way."""
         self.scheme = "http"
         """``https`` on a TLS connection."""
         self.subject: dict[str, str] = {}
@@ -348,18 +364,23 @@ class Connection(Flow):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0] if isinstance(peer, tuple) else None
-        if transport.get_extra_info("ssl_object") is not None:  # its handshake is done
+        plane = self._plane
+        if self.handshaking is not None:  # over TLS: counted in when it was accepted
+            self.handshaking = None
             self.scheme = "https"
             self.subject = subject(transport.get_extra_info("peercert"))
-        plane = self._plane
-        if plane.shutting_down or not plane.opened(self):
+            if not plane.is_open(self):  # closed for another while it shook hands
+                transport.abort()
+                return
+            self._begin()
+            return
+        self.peer = _peer(transport)
+        refused = "shutting down" if plane.shutting_down else plane.opened(self)
+        if refused is not None:
             transport.write(
                 raw_problem(
                     ProxyBusy(
-                        f"the proxy has {plane.max_connections} connections open, all "
-                        "being worked for (limits.max_connections); retry",
+                        f"the proxy's connections ({refused}) are all being worked for; retry",
                         retry_after=1.0,
                     )
                 )
@@ -367,7 +388,10 @@ class Connection(Flow):
             self._parsing = False
             transport.close()
             return
-        self._wait("head", plane.limits.header_timeout)
+        self._begin()
+
+    def _begin(self) -> None:
+        self._wait("head", self._plane.limits.header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:
@@ -613,12 +637,17 @@ class Connection(Flow):
         """Take no more requests: close now if none is in hand, else once the answers
         owed are sent (a body still arriving is read to its end)."""
         self._closing = True
-        if self.task is None and self._receiving is None and self.transport is not None:
+        if self.handshaking is not None:
+            self.abort()
+        elif self.task is None and self._receiving is None and self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+        elif self.handshaking is not None:  # ends its handshake, with an error
+            with contextlib.suppress(OSError):
+                self.handshaking.shutdown(socket.SHUT_RDWR)
 
     def _answer_in_turn(self) -> None:
         if self.task is None:
@@ -836,6 +865,101 @@ def _finish(answer: Answer) -> None:
         finish()
 
 
+_CAP = "limits.max_connections"
+_CLIENT_SHARE = "its client's share, limits.max_connections_per_client"
+
+
+def _peer(transport: asyncio.BaseTransport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return peer[0] if isinstance(peer, tuple) else None
+
+
+class _TlsAcceptor:
+    """A TLS listener's sockets, accepted here rather than by the event loop, so that
+    a connection is counted in by the plane from the moment it is accepted, before
+    its handshake: handshakes that never end hold no more than the caps allow (the
+    least recently active connection not being worked for, a pending handshake
+    included, is closed to make room). The handshake must end within
+    ``limits.header_timeout``."""
+
+    def __init__(
+        self, plane: DataPlane, sockets: list[socket.socket], context: ssl.SSLContext
+    ) -> None:
+        self._plane = plane
+        self._context = context
+        self.sockets = sockets
+        loop = asyncio.get_running_loop()
+        self._accepting = [loop.create_task(self._accept(sock)) for sock in sockets]
+        self._handshakes: set[asyncio.Task[None]] = set()
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                client, address = await loop.sock_accept(sock)
+            except OSError as exc:  # out of descriptors: let some connections end
+                self._plane.log(logging.ERROR, "could not accept a connection: %s", exc)
+                await asyncio.sleep(_ACCEPT_RETRY)
+                continue
+            task = loop.create_task(self._handshake(client, address))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, client: socket.socket, address: Any) -> None:
+        plane = self._plane
+        conn = plane()
+        conn.peer = address[0] if isinstance(address, tuple) else None
+        conn.handshaking = client
+        if plane.shutting_down or plane.opened(conn) is not None:
+            client.close()  # nothing can be said before TLS
+            return
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: conn, client, ssl=self._context,
+                ssl_handshake_timeout=plane.limits.header_timeout,
+            )  # fmt: skip
+        except (OSError, ssl.SSLError, TimeoutError):  # refused, cut, timed out, closed
+            conn.handshaking = None
+            plane.closed(conn)
+            client.close()
+
+    def close(self) -> None:
+        for task in self._accepting:
+            task.cancel()
+        for sock in self.sockets:
+            sock.close()
+
+
+_ACCEPT_RETRY = 0.1
+"""Seconds before accepting again after a failure (asyncio's own wait is 1 s)."""
+
+
+def _listening_sockets(
+    host: str | None, port: int, *, reuse_port: bool, backlog: int
+) -> list[socket.socket]:
+    """Sockets listening on ``host:port`` (every address it resolves to; every
+    interface for None), as the event loop's ``create_server`` makes them."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 class Listener:
     """A :class:`DataPlane` listening on a TCP address: ``listen`` opens it, ``close``
     stops taking connections and shuts the plane down within ``shutdown_timeout``."""
@@ -843,7 +967,7 @@ class Listener:
     def __init__(self, plane: DataPlane, shutdown_timeout: float = 60.0) -> None:
         self.server = plane
         self._shutdown_timeout = shutdown_timeout
-        self._servers: list[asyncio.Server] = []
+        self._servers: list[asyncio.Server | _TlsAcceptor] = []
 
     async def listen(
         self,
@@ -856,11 +980,13 @@ class Listener:
     ) -> None:
         """Listen on ``host:port``, with TLS when given its context: a handshake must end
         within ``limits.header_timeout``."""
-        loop = asyncio.get_running_loop()
-        handshake = self.server.limits.header_timeout if tls is not None else None
-        server = await loop.create_server(
+        if tls is not None:
+            sockets = _listening_sockets(host, port, reuse_port=reuse_port, backlog=backlog)
+            self._servers.append(_TlsAcceptor(self.server, sockets, tls))
+            return
+        server = await asyncio.get_running_loop().create_server(
             self.server, host, port, reuse_address=True, reuse_port=reuse_port or None,
-            backlog=backlog, ssl=tls, ssl_handshake_timeout=handshake,
+            backlog=backlog,
         )  # fmt: skip
         self._servers.append(server)
 

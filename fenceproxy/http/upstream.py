@@ -86,9 +86,25 @@ class TrustedProxies:
             for hop in value.split(b",")
         ]
         for hop in reversed(hops):
-            if hop and hop not in self:
-                return hop
-        return hops[0] if hops and hops[0] else peer or "unknown"
+            address = _address(hop)
+            if address is None:  # not an address: nothing left of it can be believed
+                break
+            if address not in self:
+                return address
+        return peer or "unknown"
+
+
+def _address(hop: str) -> str | None:
+    """An X-Forwarded-For hop's IP address (its port, if it has one, dropped), in its
+    canonical form; None when it is not one."""
+    if hop.startswith("["):  # [v6]:port
+        hop = hop[1:].partition("]")[0]
+    elif hop.count(":") == 1:  # v4:port
+        hop = hop.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(hop))
+    except ValueError:
+        return None
 
 
 def forwarded_fields(

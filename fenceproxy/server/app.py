@@ -356,8 +356,11 @@ def _reload_certificates(tls: TlsContexts, config: Config) -> None:
             problems.append((key, str(exc)))
     if problems:
         raise ConfigError("config", problems)
-    for _, context, spec in pairs:
-        reload_server(context, spec)
+    for key, context, spec in pairs:
+        try:
+            reload_server(context, spec)
+        except ValueError as exc:  # a file that changed since its trial: the rest as they were
+            raise ConfigError("config", [(key, str(exc))]) from None
 
 
 def _under(path: str, prefix: str) -> bool:

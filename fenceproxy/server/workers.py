@@ -51,7 +51,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..config import Config, admin_credentials, parse_listen, tls_contexts
-from ..errors import ListenError, ProxyBusy, Refusal, RequestMalformed
+from ..errors import ConfigError, ListenError, ProxyBusy, Refusal, RequestMalformed
 from ..http.edge import PROBLEM_JSON, problem_response
 from ..leases.auth import LeaseCredentials
 from ..log import server_log
@@ -162,15 +162,23 @@ async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], obj
     folder = Path(tempfile.mkdtemp(prefix="fenceproxy-workers-"))
     workers = [_Worker(i, argv, folder) for i in range(config.workers)]
     admin_tls = tls_contexts(config, "config").admin
+    credentials = [admin_credentials(config, "config")]
 
     def hup() -> None:
         for worker in workers:
             worker.signal(signal.SIGHUP)
+        # The admin listener's certificate and credential files, renewed where they are
+        # (the config itself is the workers' to read again: other admin keys take a
+        # restart).
         if admin_tls is not None and config.admin_tls is not None:
-            try:  # the admin listener's certificate, renewed at the same path
+            try:
                 reload_server(admin_tls, config.admin_tls.server())
             except ValueError as exc:
                 server_log.error("admin_tls: %s; the admin listener keeps its certificate", exc)
+        try:
+            credentials[0] = admin_credentials(config, "config")
+        except ConfigError as exc:
+            server_log.error("%s; the admin listener keeps its credentials", exc)
 
     loop.add_signal_handler(signal.SIGHUP, hup)
     admin: web.AppRunner | None = None
@@ -180,7 +188,7 @@ async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], obj
             server_log.error("a worker could not start; stopping the others")
             return 2
         if config.admin is not None:
-            app = _admin_app(workers, admin_credentials(config, "config"), config.admin_probes)
+            app = _admin_app(workers, lambda: credentials[0], config.admin_probes)
             admin = web.AppRunner(app, access_log=None, handle_signals=False)
             await admin.setup()
             host, port = parse_listen(config.admin)
@@ -274,7 +282,7 @@ class _Fixed:
 
 
 def _admin_app(
-    workers: list[_Worker], credentials: LeaseCredentials | None, probes: str
+    workers: list[_Worker], credentials: Callable[[], LeaseCredentials | None], probes: str
 ) -> web.Application:
     async def metrics(request: web.Request) -> web.StreamResponse:
         answers = await asyncio.gather(*(w.ask("/metrics") for w in workers))
@@ -305,7 +313,7 @@ def _admin_app(
     @web.middleware
     async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            authenticate(request, credentials, probes == "open")
+            authenticate(request, credentials(), probes == "open")
         except Refusal as refusal:
             return problem_response(refusal)
         response: web.StreamResponse = await handler(request)
