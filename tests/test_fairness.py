@@ -473,30 +473,31 @@ async def test_every_read_of_one_client_counts_against_one_share(
     _, between = await idle(proxy.port, "127.0.0.2")  # a write that ends meanwhile
     between.write(head % (b"between", 2) + b"{}")
     await upstream.wait_for(1)
-    await eventually(lambda: bodies._shares["127.0.0.2"].held == 0)
+    await eventually(lambda: bodies.held == 0)
     for n in range(2, 4):
         waiting.append(await idle(proxy.port, "127.0.0.2"))
         waiting[-1][1].write(head % (b"w%d" % n, size))
-    await eventually(lambda: bodies._shares["127.0.0.2"].reading == 4)
-    release = upstream.hold()  # the bodies stay held while their writes are upstream
-    for _, writer in waiting:
-        writer.write(b"w" * size)
+    for _, writer in waiting:  # all but the last byte: each body stays held as it came
+        writer.write(b"w" * (size - 1))
     reads = [asyncio.ensure_future(reader.read()) for reader, _ in waiting]
     answered: set[asyncio.Future[bytes]] = set()
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(10):
             while len(answered) < 3:
-                done, _ = await asyncio.wait(set(reads) - answered, return_when="FIRST_COMPLETED")
+                pending = set(reads) - answered
+                done, _ = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
                 answered |= done
+    # Two bodies do not fit the client's 1 MiB: three refused, whichever came first,
+    # and one held whole but its last byte.
     answers = [answer_of(read.result()) for read in answered]
-    # At most one fits the client's 1 MiB: three refused, whichever came first.
     assert [(status, kind(problem)) for status, problem in answers] == [(503, "proxy-busy")] * 3
-    assert bodies.held <= MIB
-    release()
+    assert bodies.held == size - 1
     for read in reads:
         read.cancel()
     for _, writer in (*waiting, (None, between)):
         writer.close()
+    await eventually(lambda: bodies.held == 0)
+    assert [r.job for r in upstream.received] == ["between"]
 
 
 async def test_with_a_minimum_rate_a_pause_is_still_held_to_the_body_timeout(
