@@ -25,10 +25,16 @@ PROXIES  ?= 1
 CHAOS    = $(BIN)/fenceproxy chaos --duration $(DURATION) --workers $(WORKERS) --jobs $(JOBS) \
 	--seed $(SEED) --proxies $(PROXIES) $(if $(STORE),--store '$(STORE)')
 
-$(STAMP): pyproject.toml $(LOCK)
+# The venv is filled by uv (requirements/installer.lock, hash-pinned like the rest),
+# which installs the 138 locked packages in about 4 s where pip takes a minute of
+# CPU; it trusts the certificates the system does, as pip is configured to here.
+INSTALLER := requirements/installer.lock
+UV := $(BIN)/uv pip install --quiet --system-certs --python $(BIN)/python
+$(STAMP): pyproject.toml $(LOCK) $(INSTALLER)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --require-hashes -r $(LOCK)
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/pip install --quiet --require-hashes -r $(INSTALLER)
+	$(UV) --require-hashes -r $(LOCK)
+	$(UV) --no-deps --no-build-isolation -e .
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs the proxy and a client, not the tools (requirements/demo.lock), and
@@ -152,6 +158,7 @@ audit: $(STAMP)
 ## Regenerate the lock files from pyproject.toml (and requirements/build.in).
 lock: $(STAMP)
 	$(BIN)/pip install --quiet 'pip-tools>=7.4'
+	$(COMPILE) -o $(INSTALLER) requirements/installer.in
 	$(COMPILE) --extra server --extra test --extra dev --extra fast -o $(LOCK) \
 	  pyproject.toml requirements/build.in
 	$(COMPILE) --extra server --extra fast -c $(LOCK) -o requirements/server.lock \

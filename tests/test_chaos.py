@@ -63,19 +63,24 @@ async def test_short_run_with_every_fault_has_no_violation() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 async def test_two_proxies_on_postgres_killed_independently_have_no_violation(
     postgres: PostgresServer,
 ) -> None:
+    """As the run above on two proxies; a run that shows too little (a crash, a stale
+    write refused, over 20 writes forwarded: timing's) is followed by the next seed's,
+    up to three."""
     out = io.StringIO()
-    opts = ChaosOptions(**{**SHORT.__dict__, "store": postgres.url("fenceproxy"), "proxies": 2})
-    report = await run_chaos(opts, out)
-    assert report.violations == [], out.getvalue()
-    c = report.counts
-    assert c["crashes"] >= 1, out.getvalue()
-    assert c["forwarded"] > 20, out.getvalue()
-    assert c["stale"] >= 1, out.getvalue()
-    assert "2 proxies on PostgreSQL database" in out.getvalue()
+    shared = {"store": postgres.url("fenceproxy"), "proxies": 2}
+    for seed in (SHORT.seed, SHORT.seed + 1, SHORT.seed + 2):
+        opts = ChaosOptions(**{**SHORT.__dict__, **shared, "seed": seed})
+        report = await run_chaos(opts, out)
+        assert report.violations == [], out.getvalue()
+        assert "2 proxies on PostgreSQL database" in out.getvalue()
+        c = report.counts
+        if c["crashes"] >= 1 and c["forwarded"] > 20 and c["stale"] >= 1:
+            return
+    pytest.fail(f"three runs did not show a crash, stale writes and traffic:\n{out.getvalue()}")
 
 
 @pytest.mark.slow

@@ -79,3 +79,10 @@ def test_aiohttp_is_at_least_the_release_that_fixed_the_response_parser() -> Non
     (aiohttp,) = [r for r in requirements("server") if r.name == "aiohttp"]
     assert not aiohttp.specifier.contains("3.14.2")
     assert pins("server.lock")["aiohttp"][0] >= Version("3.14.3")
+
+
+def test_the_installer_make_test_uses_is_pinned_with_hashes() -> None:
+    """uv fills the test venv: it is installed from a lock of its own, like the rest."""
+    locked = pins("installer.lock")
+    assert set(locked) == {"uv"}
+    assert locked["uv"][1] >= 1
