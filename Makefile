@@ -68,11 +68,12 @@ XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxschedchunk
 ## The model check keeps one core busy for minutes and needs nothing the rest does,
 ## so it runs beside them, from the start (before the servers and the venv are
 ## installed); its report follows theirs, and its failure fails the target as theirs
-## does.
+## does. It is the longest part, so the rest runs at a lower priority (nice 10): the
+## check keeps its core, and the tests take what is left, then both cores once it ends.
 test: model-tools
 	@echo "$(PYTHON) model/check.py, in the background: its report comes at the end"
 	@log=$$(mktemp); $(PYTHON) model/check.py >$$log 2>&1 & model=$$!; \
-	$(MAKE) --no-print-directory servers lint typecheck docs pytest; rest=$$?; \
+	nice -n 10 $(MAKE) --no-print-directory servers lint typecheck docs pytest; rest=$$?; \
 	wait $$model; checked=$$?; \
 	echo "--- $(PYTHON) model/check.py (ran beside the above) ---"; cat $$log; rm -f $$log; \
 	[ $$checked = 0 ] || echo "make: model/check.py failed (exit $$checked)"; \
