@@ -35,7 +35,7 @@ def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
     assert list(runs) == setups
     for name, run in runs.items():
         (figure,) = run["runs"]
-        assert figure["requests"] > 100, name
+        assert figure["requests"] > 10, name  # served at all: a second on a loaded machine
         assert figure["failed"] == 0, name
         assert figure["cpu_us"] > 0, name
         assert run["peak_rss_mib"] > 0, name
@@ -61,7 +61,7 @@ def test_postgres_rows_count_the_database_apart_and_pgbench_runs_beside(tmp_path
     runs = {name: run["runs"][0] for name, run in json.loads(figures.read_text()).items()}
     assert list(runs) == setups
     for name, figure in runs.items():
-        assert figure["requests"] > 100, name
+        assert figure["requests"] > 10, name  # served at all: a second on a loaded machine
         assert figure["failed"] == 0, name
     # SQLite lives in the proxy; PostgreSQL's CPU is its own column, and the total.
     assert runs["fenced"]["database_cpu_us"] == 0
