@@ -68,12 +68,13 @@ XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxschedchunk
 ## The model check keeps one core busy for minutes and needs nothing the rest does,
 ## so it runs beside them, from the start (before the servers and the venv are
 ## installed); its report follows theirs, and its failure fails the target as theirs
-## does. It is the longest part, so the rest runs at a lower priority (nice 10): the
-## check keeps its core, and the tests take what is left, then both cores once it ends.
+## does. The tests run at a lower priority (nice 10) while it does: the check keeps
+## its core and ends first, and the tests take what is left, then both cores.
 test: model-tools
 	@echo "$(PYTHON) model/check.py, in the background: its report comes at the end"
 	@log=$$(mktemp); $(PYTHON) model/check.py >$$log 2>&1 & model=$$!; \
-	nice -n 10 $(MAKE) --no-print-directory servers lint typecheck docs pytest; rest=$$?; \
+	$(MAKE) --no-print-directory servers lint typecheck docs pytest PYTEST_NICE="nice -n 10"; \
+	rest=$$?; \
 	wait $$model; checked=$$?; \
 	echo "--- $(PYTHON) model/check.py (ran beside the above) ---"; cat $$log; rm -f $$log; \
 	[ $$checked = 0 ] || echo "make: model/check.py failed (exit $$checked)"; \
@@ -106,9 +107,10 @@ model-tools:
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+PYTEST_NICE ?=
 pytest: $(STAMP) servers
 	$(BIN)/python -m compileall -q fenceproxy
-	$(BIN)/pytest $(XDIST)
+	$(PYTEST_NICE) $(BIN)/pytest $(XDIST)
 
 ## The inner loop: lint and the tests that start no process of their own (not slow).
 quick: lint $(STAMP) servers
