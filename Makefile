@@ -68,12 +68,14 @@ XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxschedchunk
 ## The model check keeps one core busy for minutes and needs nothing the rest does,
 ## so it runs beside them, from the start (before the servers and the venv are
 ## installed); its report follows theirs, and its failure fails the target as theirs
-## does. The tests run at a lower priority (nice 10) while it does: the check keeps
-## its core and ends first, and the tests take what is left, then both cores.
+## does. The servers (Debian's packages, mostly a download) and the venv are installed
+## at once. The tests run at a lower priority (nice 10) while the check does: it
+## keeps its core and ends first, and the tests take what is left, then both cores.
 test: model-tools
 	@echo "$(PYTHON) model/check.py, in the background: its report comes at the end"
 	@log=$$(mktemp); $(PYTHON) model/check.py >$$log 2>&1 & model=$$!; \
-	$(MAKE) --no-print-directory servers lint typecheck docs pytest PYTEST_NICE="nice -n 10"; \
+	$(MAKE) --no-print-directory -j2 servers $(STAMP) && \
+	$(MAKE) --no-print-directory lint typecheck docs pytest PYTEST_NICE="nice -n 10"; \
 	rest=$$?; \
 	wait $$model; checked=$$?; \
 	echo "--- $(PYTHON) model/check.py (ran beside the above) ---"; cat $$log; rm -f $$log; \
