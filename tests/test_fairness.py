@@ -332,6 +332,8 @@ async def test_behind_a_trusted_proxy_the_share_is_the_forwarded_clients(
         (b"203.0.113.7:5151", "203.0.113.7"),  # a port, as some balancers add
         (b"[2001:db8::0:7]:443", "2001:db8::7"),  # one client, however it is spelled
         (b"203.0.113.7, 127.0.0.9", "203.0.113.7"),  # the trusted hop is passed over
+        (b"203.0.113.7, ::ffff:127.0.0.9", "203.0.113.7"),  # a trusted hop, IPv4-mapped
+        (b"::ffff:203.0.113.7", "203.0.113.7"),
         (b"203.0.113.7, unknown", "127.0.0.2"),  # not an address: the peer
         (b"", "127.0.0.2"),
     ],
@@ -498,6 +500,42 @@ async def test_every_read_of_one_client_counts_against_one_share(
         writer.close()
     await eventually(lambda: bodies.held == 0)
     assert [r.job for r in upstream.received] == ["between"]
+
+
+async def test_a_body_given_back_late_leaves_its_clients_newer_share_alone(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """An empty body holds nothing, and its share is gone before the body is given
+    back (once the upstream has it): giving it back must not drop the share the
+    client's later reads made, or the client could start over at nothing."""
+    proxy = await start_proxy(limits={"max_buffered_per_client": "1MiB"})
+    bodies = bodies_of(proxy)
+    size = 600 * 1024
+    head = (
+        b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: %s\r\nFencing-Token: 1\r\n"
+        b"Content-Length: %d\r\n\r\n"
+    )
+    release = upstream.hold()
+    empty_reader, empty = await idle(proxy.port, "127.0.0.2")
+    empty.write(head % (b"empty", 0))
+    await upstream.wait_for(1)  # upstream, its body not yet given back
+    _, first = await idle(proxy.port, "127.0.0.2")
+    first.write(head % (b"first", size) + b"f" * (size - 1))
+    await eventually(lambda: bodies.held == size - 1)
+    release()
+    async with asyncio.timeout(10):
+        assert (await empty_reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+    second_reader, second = await idle(proxy.port, "127.0.0.2")
+    second.write(head % (b"second", size) + b"s" * (size - 1))
+    async with asyncio.timeout(10):
+        status, problem = answer_of(await second_reader.read())
+    assert (status, kind(problem)) == (503, "proxy-busy")
+    assert problem is not None
+    assert "max_buffered_per_client" in problem["detail"]
+    assert bodies.held == size - 1
+    for writer in (empty, first, second):
+        writer.close()
+    await eventually(lambda: bodies.held == 0 and not bodies._shares)
 
 
 async def test_with_a_minimum_rate_a_pause_is_still_held_to_the_body_timeout(

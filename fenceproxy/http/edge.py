@@ -246,8 +246,10 @@ class Bodies:
         self._drop_share(share)
 
     def _drop_share(self, share: Share) -> None:
-        if share.held == 0 and share.reading == 0:
-            self._shares.pop(share.client, None)
+        # Only the client's current share: a body that held nothing (empty, or on
+        # disk) may keep one that was dropped, and a newer one then stands for it.
+        if share.held == 0 and share.reading == 0 and self._shares.get(share.client) is share:
+            del self._shares[share.client]
 
     async def _gather(
         self,

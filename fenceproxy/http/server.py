@@ -369,8 +369,8 @@ class Connection(Flow):
             self.handshaking = None
             self.scheme = "https"
             self.subject = subject(transport.get_extra_info("peercert"))
-            if not plane.is_open(self):  # closed for another while it shook hands
-                transport.abort()
+            if not plane.is_open(self) or plane.shutting_down:
+                transport.abort()  # closed for another, or shutting down, meanwhile
                 return
             self._begin()
             return
@@ -910,18 +910,22 @@ class _TlsAcceptor:
         conn = plane()
         conn.peer = address[0] if isinstance(address, tuple) else None
         conn.handshaking = client
-        if plane.shutting_down or plane.opened(conn) is not None:
-            client.close()  # nothing can be said before TLS
-            return
+        made = False
         try:
+            if plane.shutting_down or plane.opened(conn) is not None:
+                return  # refused: nothing can be said before TLS
             await asyncio.get_running_loop().connect_accepted_socket(
                 lambda: conn, client, ssl=self._context,
                 ssl_handshake_timeout=plane.limits.header_timeout,
             )  # fmt: skip
+            made = True  # the connection is the transport's now, and counted out by it
         except (OSError, ssl.SSLError, TimeoutError):  # refused, cut, timed out, closed
-            conn.handshaking = None
-            plane.closed(conn)
-            client.close()
+            pass
+        finally:
+            if not made:  # whatever ended it, cancellation at shutdown included
+                conn.handshaking = None
+                plane.closed(conn)
+                client.close()
 
     def close(self) -> None:
         for task in self._accepting:

@@ -71,6 +71,7 @@ class TrustedProxies:
             address = ipaddress.ip_address(peer)
         except ValueError:
             return False
+        address = getattr(address, "ipv4_mapped", None) or address
         return any(address in net for net in self._networks)
 
     def client(self, peer: str | None, fields: Fields) -> str:
@@ -102,9 +103,11 @@ def _address(hop: str) -> str | None:
     elif hop.count(":") == 1:  # v4:port
         hop = hop.partition(":")[0]
     try:
-        return str(ipaddress.ip_address(hop))
+        address = ipaddress.ip_address(hop)
     except ValueError:
         return None
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:10.0.0.5 is 10.0.0.5
+    return str(mapped or address)
 
 
 def forwarded_fields(
