@@ -43,6 +43,11 @@ Client = TestClient[Any, Any]
 MIB = 1024 * 1024
 BURST = MIB - 1024
 """What a trickler sends at once of its 1 MiB body: the rest comes a byte a second."""
+HEAD = (
+    b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: %s\r\nFencing-Token: 1\r\n"
+    b"Content-Length: %d\r\n\r\n"
+)
+"""A fenced write's head, for its job and its body's length."""
 
 
 def bodies_of(proxy: Client) -> Bodies:
@@ -463,22 +468,18 @@ async def test_every_read_of_one_client_counts_against_one_share(
     proxy = await start_proxy(limits={"max_buffered_per_client": "1MiB"})
     bodies = bodies_of(proxy)
     size = 600 * 1024
-    head = (
-        b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: %s\r\nFencing-Token: 1\r\n"
-        b"Content-Length: %d\r\n\r\n"
-    )
     waiting = []
     for n in range(2):
         waiting.append(await idle(proxy.port, "127.0.0.2"))
-        waiting[-1][1].write(head % (b"w%d" % n, size))
+        waiting[-1][1].write(HEAD % (b"w%d" % n, size))
     await eventually(lambda: bodies._shares["127.0.0.2"].reading == 2)
     _, between = await idle(proxy.port, "127.0.0.2")  # a write that ends meanwhile
-    between.write(head % (b"between", 2) + b"{}")
+    between.write(HEAD % (b"between", 2) + b"{}")
     await upstream.wait_for(1)
     await eventually(lambda: bodies.held == 0)
     for n in range(2, 4):
         waiting.append(await idle(proxy.port, "127.0.0.2"))
-        waiting[-1][1].write(head % (b"w%d" % n, size))
+        waiting[-1][1].write(HEAD % (b"w%d" % n, size))
     for _, writer in waiting:  # all but the last byte: each body stays held as it came
         writer.write(b"w" * (size - 1))
     reads = [asyncio.ensure_future(reader.read()) for reader, _ in waiting]
@@ -511,22 +512,18 @@ async def test_a_body_given_back_late_leaves_its_clients_newer_share_alone(
     proxy = await start_proxy(limits={"max_buffered_per_client": "1MiB"})
     bodies = bodies_of(proxy)
     size = 600 * 1024
-    head = (
-        b"POST /billing/x HTTP/1.1\r\nHost: api\r\nFencing-Job: %s\r\nFencing-Token: 1\r\n"
-        b"Content-Length: %d\r\n\r\n"
-    )
     release = upstream.hold()
     empty_reader, empty = await idle(proxy.port, "127.0.0.2")
-    empty.write(head % (b"empty", 0))
+    empty.write(HEAD % (b"empty", 0))
     await upstream.wait_for(1)  # upstream, its body not yet given back
     _, first = await idle(proxy.port, "127.0.0.2")
-    first.write(head % (b"first", size) + b"f" * (size - 1))
+    first.write(HEAD % (b"first", size) + b"f" * (size - 1))
     await eventually(lambda: bodies.held == size - 1)
     release()
     async with asyncio.timeout(10):
         assert (await empty_reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
     second_reader, second = await idle(proxy.port, "127.0.0.2")
-    second.write(head % (b"second", size) + b"s" * (size - 1))
+    second.write(HEAD % (b"second", size) + b"s" * (size - 1))
     async with asyncio.timeout(10):
         status, problem = answer_of(await second_reader.read())
     assert (status, kind(problem)) == (503, "proxy-busy")
