@@ -95,6 +95,7 @@ PROPERTIES = {
     "ng>issued": "a generation was handed out twice",
     "rholder==255": "a job was held with no write in flight",
     "!(checked)": "a lease-checked route admitted a write without a live lease",
+    "rlate": "a claim waited for a write admitted after a claim first asked",
 }
 
 # Each mutant: the bug, the bounds it is checked within and the modes, if any.
@@ -102,6 +103,10 @@ MUTANTS = {
     "FENCE_AFTER_FORWARD": ("the fence is checked and raised after forwarding", SMALL),
     "CLAIM_NO_RAISE": ("a claim does not raise the fence to its generation", SMALL),
     "CLAIM_IGNORES_WRITES": ("a claim does not wait for a write in flight", SMALL),
+    "CLAIM_WAITS_FOR_LATER_WRITES": (
+        "a claim that must wait raises no fence: the old holder's later writes keep it out",
+        SMALL,
+    ),
     "EARLY_RELEASE": ("the in-flight record is given back once the write is sent", SMALL),
     "RENEW_NO_GEN_CHECK": ("renew checks the owner and not the generation", SMALL),
     "CRASH_FREES_ALL": ("a proxy's crash frees every job (records tied to its session)", SMALL),

@@ -33,6 +33,12 @@
  * writes in flight: the store learns of a generation from its first write, so
  * that write may meet older ones still in flight.
  *
+ * Besides what may reach the upstream, one property of liveness is checked as an
+ * assertion: a claim that finds the lease run out waits (write-in-flight) only for
+ * writes admitted before a claim first asked, never for one admitted after, so a
+ * holder past its lease that keeps writing cannot keep the next holder out. Ghosts
+ * mark a record taken while a claim waits (rlate); a claim refused by one fails.
+ *
  * Each mutant (-DNAME, listed in model/check.py) is a deliberate protocol bug that
  * must fail. The printf lines tell a counterexample's story when a trail is
  * replayed (pan -r -S); the verifier does not print them.
@@ -103,11 +109,13 @@ byte fence;
 byte rholder[RECORDS];                   /* 0: none */
 byte rexpires[RECORDS];
 byte rgen[RECORDS];
+bool rlate[RECORDS];                     /* ghost: taken while a claim was waiting */
 #else
 /* The job's in-flight record (inflight table): which turn may have a write at
    the upstream, and until when. */
 byte rholder;                            /* 0: none */
 byte rexpires;
+bool rlate;                              /* ghost: taken while a claim was waiting */
 #endif
 
 /* The job's idempotency keys (idempotency_keys table). */
@@ -139,6 +147,7 @@ byte issued;                             /* highest generation ever handed out *
 bool kapplied[KEYS];                     /* the upstream applied this key's write */
 byte bgen[WORKERS];                      /* the lease a worker was told it holds ... */
 byte buntil[WORKERS];                    /* ... until then, on the store's clock */
+bool waiting;                            /* a claim was refused write-in-flight, none granted since */
 
 #ifdef ORDER_GENERATION
 #define live(i) (rholder[i] != 0 && rexpires[i] > now)
@@ -156,6 +165,8 @@ byte buntil[WORKERS];                    /* ... until then, on the store's clock
 #define crashed_record (rholder[0] == CRASHED || rholder[1] == CRASHED \
 	|| rholder[2] == CRASHED || rholder[3] == CRASHED || rholder[4] == CRASHED \
 	|| rholder[5] == CRASHED)
+#define late(i) (live(i) && rlate[i])
+#define late_record (late(0) || late(1) || late(2) || late(3) || late(4) || late(5))
 #define take(t, g) \
 	v = 0; \
 	do \
@@ -163,11 +174,11 @@ byte buntil[WORKERS];                    /* ... until then, on the store's clock
 	:: else -> break \
 	od; \
 	assert(v < RECORDS); \
-	rholder[v] = t; rexpires[v] = now + HOLD; rgen[v] = g; v = 0
+	rholder[v] = t; rexpires[v] = now + HOLD; rgen[v] = g; rlate[v] = waiting; v = 0
 #define give_back(t) \
 	for (v : 0 .. RECORDS - 1) { \
 		if \
-		:: rholder[v] == t -> rholder[v] = 0; rexpires[v] = 0; rgen[v] = 0 \
+		:: rholder[v] == t -> rholder[v] = 0; rexpires[v] = 0; rgen[v] = 0; rlate[v] = false \
 		:: else \
 		fi \
 	} \
@@ -186,8 +197,9 @@ byte buntil[WORKERS];                    /* ... until then, on the store's clock
 #define in_way(t, g) (live_record && rholder != t)
 #define holds(t) (rholder == t)
 #define crashed_record (rholder == CRASHED)
-#define take(t, g) rholder = t; rexpires = now + HOLD
-#define give_back(t) if :: rholder == t -> rholder = 0; rexpires = 0 :: else fi
+#define late_record (live_record && rlate)
+#define take(t, g) rholder = t; rexpires = now + HOLD; rlate = waiting
+#define give_back(t) if :: rholder == t -> rholder = 0; rexpires = 0; rlate = false :: else fi
 #define hold_unknown(t) \
 	if \
 	:: rholder == t -> rexpires = (now + QUAR > rexpires -> now + QUAR : rexpires) \
@@ -257,7 +269,8 @@ end:	do
 #ifdef ORDER_GENERATION
 		for (i : 0 .. RECORDS - 1) {
 			if
-			:: rholder[i] != 0 && rexpires[i] <= now -> rholder[i] = 0; rexpires[i] = 0; rgen[i] = 0
+			:: rholder[i] != 0 && rexpires[i] <= now ->
+				rholder[i] = 0; rexpires[i] = 0; rgen[i] = 0; rlate[i] = false
 			:: else
 			fi
 		}
@@ -490,7 +503,24 @@ end:	do
 		:: lstate == HELD && now < luntil -> printf("worker %d: claim refused, lease-held\n", w)
 #ifndef CLAIM_IGNORES_WRITES
 		:: lstate != COMPLETED && !(lstate == HELD && now < luntil) && live_record ->
-			printf("worker %d: claim refused, write-in-flight\n", w)
+			printf("worker %d: claim refused, write-in-flight\n", w);
+			/* it waits only for writes already out when a claim first asked */
+			assert(!late_record);
+#ifndef CLAIM_WAITS_FOR_LATER_WRITES
+			/* and raises the fence past every generation that may still write: the
+			   lease's (every record's is no higher, each coming from a claim) */
+			ng = (lgen > fence -> lgen : fence) + 1;
+			if
+			:: fence > lgen -> waiting = true      /* raised by an earlier ask */
+			:: fence <= lgen && ng <= MAXGEN ->
+				fence = ng; waiting = true;
+				printf("  the fence is raised to %d meanwhile\n", fence)
+			:: else                               /* no generation left in the bounds */
+			fi;
+			ng = 0
+#else
+			waiting = true
+#endif
 #endif
 		:: else ->
 			ng = (lgen > fence -> lgen : fence) + 1;
@@ -503,6 +533,7 @@ end:	do
 				fence = ng;
 #endif
 				claimed = ng;
+				waiting = false;
 				printf("worker %d claims generation %d, until %d\n", w, ng, luntil);
 				exclusive(w);
 				g = ng; wgen[w] = g; bgen[w] = g; buntil[w] = luntil

@@ -121,9 +121,14 @@ class Reference:
             return "job-completed"
         if lease and lease.state == "held" and self.now < lease.until:
             return "lease-held"
-        if self.live_records():
-            return "write-in-flight"
         generation = max(lease.generation if lease else 0, self.fence or 0) + 1
+        if live := self.live_records():
+            # The fence goes past every generation that may still write, unless an
+            # earlier ask put it there already.
+            in_use = max(lease.generation if lease else 0, *(r[2] for r in live.values()))
+            if self.fence is None or self.fence <= in_use:
+                self.fence = generation
+            return "write-in-flight"
         self.lease = RefLease(owner, generation, self.now + TTL, "held")
         self.fence = generation
         return generation

@@ -445,7 +445,8 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
     """A claim and an admission of one job, on two proxies, at once. Whatever order
     they commit in, the fence never goes down, and a claim that comes second waits
     for the admitted write: it is refused `write-in-flight`, never granted while a
-    write of an older generation may still reach the upstream."""
+    write of an older generation may still reach the upstream, and raises the fence
+    past that write's generation meanwhile."""
     url = postgres.url("fenceproxy")
     await sql(url, "TRUNCATE fences, idempotency_keys, leases, inflight")
     admitting, claiming = await open_store(url, key_ttl=60), await open_store(url, key_ttl=60)
@@ -466,7 +467,7 @@ async def test_a_claim_racing_an_admission_on_another_store_never_lowers_the_fen
                 assert (claimed.generation, fence) == (1, 100)
             else:  # admitted first: the claim waits for the write
                 assert isinstance(claimed, WriteInFlight), claimed
-                assert fence == 100
+                assert fence == 101
                 assert (await claiming.lease(job))[0] is None
     finally:
         await admitting.close()
@@ -577,9 +578,12 @@ async def test_a_claim_racing_the_first_write_of_a_job_still_raises_its_fence(
 
 async def test_a_claim_waits_for_a_write_in_flight(store: Store, clock: FakeClock) -> None:
     """Generation 1's holder has a write at the upstream when its lease runs out. A
-    claim then is refused `write-in-flight` with the record's time left, and takes
-    generation 2 once the write is answered; after a write whose outcome is unknown,
-    once the record expires."""
+    claim then is refused `write-in-flight` with the record's time left, and raises
+    the fence past generation 1 at once: the old holder's next write is refused as
+    stale rather than taking a record the claim would wait for. Asked again, the
+    claim raises nothing more; it takes generation 3 (2 is the fence it raised) once
+    the write's record is gone: after a write whose outcome is unknown, once the
+    record expires; after a write answered, at once."""
     first = await store.change_lease("j", _claim("j", "a"))
     assert isinstance(first[0], Lease)
     write = FencedWrite("r", "j", 1, hold=30)
@@ -589,22 +593,28 @@ async def test_a_claim_waits_for_a_write_in_flight(store: Store, clock: FakeCloc
     assert isinstance(refused, WriteInFlight)
     assert refused.retry_after == pytest.approx(24)
     assert refused.extensions["expires_in"] == pytest.approx(24)
+    assert await store.generation("j") == 2
+    late = await admit(store, FencedWrite("r", "j", 1, hold=30))
+    assert isinstance(late, StaleGeneration), late
     await store.end_turn(write, unknown_for=40)  # sent, no answer: held 40 s more
     refused, _ = await store.change_lease("j", _claim("j", "b"))
     assert isinstance(refused, WriteInFlight)
     assert refused.retry_after == pytest.approx(40)
+    assert await store.generation("j") == 2
     clock.advance(40)
     claimed, _ = await store.change_lease("j", _claim("j", "b"))
     assert isinstance(claimed, Lease)
-    assert claimed.generation == 2
-    # A write answered gives the job back at once.
+    assert claimed.generation == 3
+    assert await store.generation("j") == 3
+    # A write answered gives the job back at once, and a claim that never had to
+    # wait takes the next generation.
     clock.advance(6)
-    write = FencedWrite("r", "j", 2, hold=30)
+    write = FencedWrite("r", "j", 3, hold=30)
     assert isinstance(await admit(store, write), Admit)
     await store.end_turn(write)
     claimed, _ = await store.change_lease("j", _claim("j", "c"))
     assert isinstance(claimed, Lease)
-    assert claimed.generation == 3
+    assert claimed.generation == 4
 
 
 async def test_a_lease_behind_its_fence_renews_and_completes(store: Store) -> None:

@@ -152,9 +152,9 @@ async def test_a_claim_waits_until_the_old_holders_write_is_answered(
     service: Client, upstream: RecordingUpstream, clock: FakeClock
 ) -> None:
     """Generation 1's write is at the upstream when its lease runs out. A claim then
-    is refused `write-in-flight`, and a worker waiting in hold() takes generation 2
-    only once the upstream has answered: never while the old write could still land
-    after it was told it holds the job."""
+    is refused `write-in-flight` (raising the fence to 2 meanwhile), and a worker
+    waiting in hold() takes generation 3 only once the upstream has answered: never
+    while the old write could still land after it was told it holds the job."""
     base = url(service)
     assert (await service.post("/_leases/job/claim", json={"owner": "a", "ttl": 30})).ok
     release = upstream.hold()
@@ -184,7 +184,7 @@ async def test_a_claim_waits_until_the_old_holders_write_is_answered(
     assert not waiting.done()
     release()
     assert (await old_write).status == 200
-    assert await waiting == 2
+    assert await waiting == 3
 
 
 async def test_a_wait_runs_out_with_the_refusal(service: Client) -> None:

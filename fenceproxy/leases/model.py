@@ -8,7 +8,8 @@ What a store decides inside its transactions is here too: :func:`decide_write`
 (the fence, the key and, on a lease-checked route, the lease), :func:`in_the_way`
 (whether the job's writes in flight let an admitted write go now) and
 :func:`decide_lease` (a lease change, held back while an older write may still
-reach the upstream). The store reads the rows, calls them and writes the outcome.
+reach the upstream, with the fence it raises). The store reads the rows, calls them
+and writes the outcome.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..errors import (
     JobCompleted,
@@ -33,8 +35,10 @@ from ..fence.fencing import GENERATION_MAX, Admit, Busy, FencedWrite, KeyRecord,
 
 __all__ = [
     "InFlight",
+    "InFlightSummary",
     "Lease",
     "LeaseChange",
+    "LeaseDecision",
     "LeaseState",
     "after_writes",
     "check_write",
@@ -109,25 +113,47 @@ def claim(
 
 
 def after_writes(
-    new: Lease, current: Lease | None, in_flight_until: float | None, now: float
-) -> Lease | Refusal:
-    """``new``, unless it hands out a generation while the job's in-flight record says
+    new: Lease,
+    current: Lease | None,
+    fence: int | None,
+    in_flight: InFlightSummary,
+    now: float,
+) -> LeaseDecision:
+    """``new``, unless it hands out a generation while the job's in-flight records say
     a write of an older one may still reach the upstream: then the claim waits for
     it, as Chubby's lock-delay does, per job. Otherwise a new holder could read the
     upstream, be told it holds the job, and see the old holder's write land after.
     (The write cannot land after the new holder's own writes: those wait for the
-    same record.)"""
+    same records.)
+
+    A claim that must wait still raises the fence, at once, past every generation
+    that may still write: the old lease's and those of the writes in flight. So the
+    old holder's later writes are refused as stale, no new record is taken, and the
+    claim waits only for the writes already out when it first asked, never for one
+    admitted after (a holder past its lease that keeps writing cannot keep the job).
+    A claim that asks again while the fence is already past them raises nothing, so
+    the claim finally granted gets the generation after the one it raised the fence
+    to."""
     claiming = current is None or new.generation != current.generation
-    if not claiming or in_flight_until is None or in_flight_until <= now:
-        return new
-    left = in_flight_until - now
-    return WriteInFlight(
-        f"job {new.job_id!r} has a write of generation {new.generation - 1} or older that "
-        f"may still reach the upstream for {left:.3f}s more; claim it then",
+    if not claiming:
+        return LeaseDecision(new, None)
+    if in_flight.until is None or in_flight.until <= now:
+        return LeaseDecision(new, new.generation)
+    in_use = max(current.generation if current else 0, in_flight.generation or 0)
+    if fence is not None and fence > in_use:  # raised by an earlier ask: nobody writes at it
+        raise_to, fenced_at = None, fence
+    else:
+        raise_to = fenced_at = new.generation
+    left = in_flight.until - now
+    refusal = WriteInFlight(
+        f"job {new.job_id!r} has a write of generation {in_flight.generation} or older that "
+        f"may still reach the upstream for {left:.3f}s more; claim it then (its fence is at "
+        f"generation {fenced_at} meanwhile: the old holder's later writes are refused)",
         retry_after=left,
         job_id=new.job_id,
         expires_in=left,
     )
+    return LeaseDecision(refusal, raise_to)
 
 
 def _check_holder(
@@ -254,16 +280,35 @@ def decide_lease(
     change: LeaseChange,
     current: Lease | None,
     fence: int | None,
-    in_flight_until: float | None,
+    in_flight: InFlightSummary,
     now: float,
-) -> Lease | Refusal:
+) -> LeaseDecision:
     """``change`` applied to the job's lease, its fence and the store's ``now``; a
-    claim waits while the job's in-flight record (live until ``in_flight_until``)
-    says an older write may still reach the upstream (:func:`after_writes`)."""
+    claim waits while the job's live in-flight records say an older write may still
+    reach the upstream, and raises the fence meanwhile (:func:`after_writes`)."""
     result = change(current, fence, now)
     if isinstance(result, Refusal):
-        return result
-    return after_writes(result, current, in_flight_until, now)
+        return LeaseDecision(result, None)
+    return after_writes(result, current, fence, in_flight, now)
+
+
+class InFlightSummary(NamedTuple):
+    """What a lease change reads of a job's live in-flight records: when the last of
+    them expires and the highest generation among them (both None when none is live)."""
+
+    until: float | None
+    generation: int | None
+
+
+class LeaseDecision(NamedTuple):
+    """A lease change's outcome, for the store to apply in one transaction: the new
+    lease (written when it differs from the one read) or the refusal, and the
+    generation to raise the job's fence to, if any. A granted claim raises it to its
+    own; a claim that must wait for writes in flight, past every generation that may
+    still write."""
+
+    result: Lease | Refusal
+    fence: int | None
 
 
 @dataclass(frozen=True, slots=True)

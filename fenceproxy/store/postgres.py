@@ -51,7 +51,7 @@ import asyncpg
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leases.model import Lease, LeaseChange, decide_lease, decide_write
+from ..leases.model import InFlightSummary, Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from . import rows
 from .asyncpg_errors import ERRORS, failed, reconnects_in_one_line
@@ -367,11 +367,14 @@ def _sql(statement: str) -> str:
 
 
 # What a lease change decides on besides the lease: the store's clock, the fence
-# and the in-flight record, read under the job's lock.
+# and the job's live in-flight records (when the last expires, their highest
+# generation), read under the job's lock.
 _READ_FOR_LEASE = _sql(
     f"""
-SELECT {_NOW}, (SELECT generation FROM fences WHERE job = $1),
-       (SELECT max(expires_at) FROM inflight WHERE job = $1)
+WITH clock AS (SELECT {_NOW} AS now)
+SELECT clock.now, (SELECT generation FROM fences WHERE job = $1), live.until, live.top
+FROM clock, LATERAL (SELECT max(expires_at) AS until, max(generation) AS top
+                     FROM inflight WHERE job = $1 AND expires_at > clock.now) AS live
 """
 )
 _RAISE_FENCE = """
@@ -589,12 +592,13 @@ class PostgresStore(Store):
             # until this commits, on any proxy.
             await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", job)
             current = rows.lease_record(await conn.fetchrow(_LEASE, job))
-            now, fence, in_flight_until = await _one(conn, _READ_FOR_LEASE, job, self._clock())
+            now, fence, until, top = await _one(conn, _READ_FOR_LEASE, job, self._clock())
             fence = None if fence is None else int(fence)
-            result = decide_lease(change, current, fence, in_flight_until, now)
+            in_flight = InFlightSummary(until, None if top is None else int(top))
+            result, raise_to = decide_lease(change, current, fence, in_flight, now)
+            if raise_to is not None:
+                await conn.execute(_RAISE_FENCE, job, raise_to, now)
             if isinstance(result, Lease) and result != current:
-                if fence is None or result.generation > fence:
-                    await conn.execute(_RAISE_FENCE, job, result.generation, now)
                 await conn.execute(
                     "INSERT INTO leases (job, owner, generation, lease_until, ttl, state,"
                     " updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7)"

@@ -40,7 +40,14 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, FencedWrite, StoredResponse
-from ..leases.model import Lease, LeaseChange, decide_lease, decide_write, in_the_way
+from ..leases.model import (
+    InFlightSummary,
+    Lease,
+    LeaseChange,
+    decide_lease,
+    decide_write,
+    in_the_way,
+)
 from ..log import store_log
 from . import rows, sqlite_errors
 from .base import Decision, JobView, Store, key_not_held
@@ -172,6 +179,9 @@ _KEY_SQL = (
     " inflight i WHERE i.job = k.job AND i.holder = k.holder AND i.expires_at > :now)))"
 )
 _LEASE_SQL = "SELECT job, owner, generation, lease_until, ttl, state FROM leases WHERE job = ?"
+_IN_FLIGHT_SQL = (
+    "SELECT max(expires_at), max(generation) FROM inflight WHERE job = ? AND expires_at > ?"
+)
 
 Synchronous = Literal["full", "normal"]
 
@@ -358,16 +368,16 @@ class SQLiteStore(Store):
             now = self._clock()
             current = rows.lease_record(tx.one(_LEASE_SQL, (job,)))
             fence = tx.fence(job)
-            (until,) = tx.one("SELECT max(expires_at) FROM inflight WHERE job = ?", (job,))
-            result = decide_lease(change, current, fence, until, now)
+            in_flight = InFlightSummary(*tx.one(_IN_FLIGHT_SQL, (job, now)))
+            result, raise_to = decide_lease(change, current, fence, in_flight, now)
+            if raise_to is not None:
+                tx.raise_fence(job, raise_to, now)
             if isinstance(result, Lease) and result != current:
                 tx.write(
                     "INSERT OR REPLACE INTO leases (job, owner, generation, lease_until, ttl,"
                     " state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     rows.lease_row(result, now),
                 )
-                if fence is None or result.generation > fence:
-                    tx.raise_fence(job, result.generation, now)
             return result, now
 
         return await self._submit(op)  # type: ignore[no-any-return]
