@@ -200,13 +200,16 @@ class PatroniCluster:
 
     def _spawn(self, argv: list[str], log: Path, as_postgres: bool) -> subprocess.Popen[bytes]:
         """A daemon, writing to ``log``, in an environment of its own: no venv
-        Python paths, none of the tests' PG* variables."""
+        Python paths, none of the tests' PG* variables, and ``log``'s folder as its
+        working directory (one the postgres user can enter, as the tests' own may
+        not be: a clone in a home folder, or in one ``mktemp -d`` made)."""
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": str(log.parent)}
         user = "postgres" if as_postgres and self._root else None
         with open(log, "ab") as out:
             return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, user=user, group=user, extra_groups=[] if user else None,
+                cwd=log.parent, start_new_session=True, user=user, group=user,
+                extra_groups=[] if user else None,
             )  # fmt: skip
 
     def _start_node(self, name: str) -> None:

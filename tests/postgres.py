@@ -78,12 +78,15 @@ class PostgresServer:
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
 
     def _run(self, *argv: str, wrapper: list[str] | None = None) -> None:
+        """Run a PostgreSQL program, as the postgres user when root, in the cluster's
+        folder: the tests' working directory may be one that user cannot enter."""
         result = subprocess.run(
             [*(wrapper or []), *self._as, *argv],
             capture_output=True,
             text=True,
             check=False,
             timeout=120,
+            cwd=self.directory,
         )
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout}{result.stderr}")

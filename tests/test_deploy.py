@@ -896,10 +896,20 @@ def test_patroni_finds_nothing_wrong_in_the_recipe_but_names_only_compose_resolv
     tmp_path: Path,
 ) -> None:
     node = ha_nodes()["pg0"]["environment"]
+    recipe = yaml.safe_load((HA / "patroni.yml").read_text())
     environment = {
         "PATH": f"{Path(os.path.realpath(postgres_bin() / 'pg_ctl')).parent}:/usr/bin:/bin",
         **{k: v for k, v in node.items() if not v.startswith("${")},
         **{k: "secret" for k, v in node.items() if v.startswith("${")},
+        # Each node has the ports of its listeners to itself in its container; here
+        # they are the machine's (a PostgreSQL of its own may take 5432), so the
+        # validator, which refuses a port in use, is given free ones: the same
+        # addresses, another port.
+        **{
+            f"PATRONI_{section.upper()}_LISTEN": recipe[section]["listen"].rsplit(":", 1)[0]
+            + f":{free_port()}"
+            for section in ("restapi", "postgresql")
+        },
     }
     result = subprocess.run(
         ["patroni", "--validate-config", str(HA / "patroni.yml")],
