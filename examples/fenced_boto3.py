@@ -62,10 +62,11 @@ READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 class FenceRefused(ClientError):
     """The proxy refused the write and did not forward it. ``kind`` is the problem's
-    kind (``stale-generation``, ``lease-not-live``, ...: see the README's "What a
-    fenced write gets"), ``problem`` the RFC 9457 body, with ``current_generation``
-    when a newer holder took the job. After ``duplicate-outcome-unknown`` an earlier
-    attempt of the same call may have been applied: read S3 to know."""
+    kind (``stale-generation``, ``lease-not-live``, ...: see "What a fenced write
+    gets", docs/fenced-writes.md), ``problem`` the RFC 9457 body, with
+    ``current_generation`` when a newer holder took the job. After
+    ``duplicate-outcome-unknown`` an earlier attempt of the same call may have been
+    applied: read S3 to know."""
 
     def __init__(self, operation: str, status: int, problem: dict[str, Any]) -> None:
         self.kind = str(problem["type"]).removeprefix(PROBLEM_BASE)

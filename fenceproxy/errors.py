@@ -65,15 +65,15 @@ Foreign errors are mapped into this tree by one adapter per library, each with i
 table and a test that the table misses nothing the library raises there and that
 what the adapter reads of the library exists:
 
-    fenceproxy.http.aiohttp_server   aiohttp's server and request parser: refusals at
-                                     the door (431, 505, 400, 408, 499); the only
-                                     reads of aiohttp's private server state
-    fenceproxy.http.aiohttp_client   aiohttp's client protocol and response parser,
-                                     the socket and timeouts: UpstreamError (the one
-                                     place a timeout becomes UpstreamTimeout)
-    fenceproxy.store.sqlite_errors   sqlite3: StoreError, StoreLocked by result code
-    fenceproxy.store.asyncpg_errors  asyncpg and the network: StoreError
-    fenceproxy.client.adapter        httpx, for the lease clients: LeaseServiceError
+    fenceproxy.http.httptools_parser  llhttp's request parser (httptools): refusals at
+                                      the door (400, 505, and those its callbacks raise)
+    fenceproxy.http.client_errors     llhttp's response parser, the socket and a
+                                      deadline, under the upstream client:
+                                      UpstreamError (the one place a timeout becomes
+                                      UpstreamTimeout)
+    fenceproxy.store.sqlite_errors    sqlite3: StoreError, StoreLocked by result code
+    fenceproxy.store.asyncpg_errors   asyncpg and the network: StoreError
+    fenceproxy.client.adapter         httpx, for the lease clients: LeaseServiceError
 
 Every refusal kind carries its problem ``type``, ``status`` and ``title`` once, here;
 the HTTP layer renders them and the log records them.

@@ -12,18 +12,28 @@ cannot drift from the code unnoticed:
   parser, each ``make`` target found in the Makefile, each script named found, each
   JSON body curl sends parsed;
 * ``json``: parsed; ``http``: a request line, header fields, and a JSON body parsed;
-* ``text``: shown, not checked (logs and output).
+* ``text``: shown (logs and output); only the names in it are checked, below.
 
 A block marked ``<!-- skip: why -->`` is not checked. Also: README.md stays a front
 page (250 lines at most), every relative link points to a file that exists (and an
 anchor to a heading there), and mkdocs.yml's nav lists every page.
+
+And every name the pages write exists, in README.md, docs/ and THREAT_MODEL.md: each
+file, module and test they send the reader to, each logger (fenceproxy/log.py's),
+each config key with the value it is given (fenceproxy/config.py's schema) and each
+metric (what the package defines, as Prometheus writes its samples). A failure names
+the file, the line and the name.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
+import importlib
+import importlib.util
 import itertools
 import json
+import logging
 import os
 import re
 import shlex
@@ -37,13 +47,15 @@ from typing import Any
 import pytest
 import yaml
 
-from fenceproxy import cli
-from fenceproxy.config import load_config
+from fenceproxy import cli, log
+from fenceproxy.config import Config, load_config
 
 from .certs import Certificates
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Whose names and links are checked too: the threat model sends readers to code and tests.
+NAMED_PAGES = [*PAGES, ROOT / "THREAT_MODEL.md"]
 LANGUAGES = {"yaml", "python", "sh", "console", "json", "http", "text"}
 README_MAX_LINES = 250
 
@@ -349,14 +361,23 @@ def _slugs(page: Path) -> set[str]:
     return github & mkdocs
 
 
+def _prose_lines(page: Path) -> list[str]:
+    """A page's lines, those of its code blocks left blank, so each keeps its number."""
+    lines = page.read_text().split("\n")
+    for block in code_blocks([page]):
+        closing = block.line + block.code.count("\n")  # the closing fence's index
+        lines[block.line - 1 : closing + 1] = [""] * (closing - block.line + 2)
+    return lines
+
+
 def _prose(page: Path) -> str:
     """A page without its code blocks."""
-    return re.sub(r"^ *(```+)[\w-]*\n.*?^ *\1 *$", "", page.read_text(), flags=re.M | re.S)
+    return "\n".join(_prose_lines(page))
 
 
 def test_every_relative_link_points_to_a_file_and_heading_that_exist() -> None:
     broken = []
-    for page in PAGES:
+    for page in NAMED_PAGES:
         prose = re.sub(r"`[^`\n]*`", "", _prose(page))  # not in inline code either
         for target in re.findall(r"\]\(([^)\s]+)\)", prose):
             if re.match(r"[a-z][a-z0-9+.-]*:", target):
@@ -384,3 +405,325 @@ def test_the_site_lists_every_page_in_its_nav() -> None:
     listed = list(pages(site["nav"]))
     assert len(listed) == len(set(listed))
     assert sorted(listed) == sorted(p.name for p in PAGES if p.parent.name == "docs")
+
+
+# --- Names: files, modules, tests, loggers, config keys, metrics ---------------------
+
+
+def _where(page: Path, line: int) -> str:
+    return f"{page.relative_to(ROOT)}:{line}"
+
+
+def _spans(page: Path) -> Iterator[tuple[int, str, list[str]]]:
+    """Each line of a page's prose that has inline code: its number, the line, and
+    the spans."""
+    for n, line in enumerate(_prose_lines(page), 1):
+        spans = re.findall(r"`([^`\n]+)`", line)
+        if spans:
+            yield n, line, spans
+
+
+# The repository's folders whose files the pages name, and the endings of file names.
+FOLDERS = ("fenceproxy", "tests", "bench", "examples", "model", "deploy", "requirements",
+           "config", "docs")  # fmt: skip
+FILE_PATH = re.compile(rf"(?<![\w./~-])(?:{'|'.join(FOLDERS)})/[\w./-]*")
+MODULE_FILE = re.compile(r"(?:[a-z_]\w*/)*[a-z_]\w*\.py")
+TEST_ID = re.compile(r"(?P<file>[\w/.-]+\.py)?::(?P<name>\w+)(?:\[.*\])?")
+DOTTED = re.compile(r"(?<![\w./-])fenceproxy(?:\.[A-Za-z_]\w*)+")
+FILE_SUFFIX = re.compile(r"\.(?:ya?ml|json|toml|lock|md|py|pml|db|service|env|key|secret)$")
+
+
+def _defined(file: Path) -> set[str]:
+    """The functions and classes a Python file defines, at any depth."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {node.name for node in ast.walk(ast.parse(file.read_text())) if isinstance(node, kinds)}
+
+
+def _a_module(file: str) -> bool:
+    """Whether a module named by its file alone or within the package (``turn.py``,
+    ``http/target.py``) is one of the repository's. A path from the top is checked
+    as a path."""
+    if file.startswith(tuple(f"{folder}/" for folder in FOLDERS)):
+        return True
+    return any(any(ROOT.glob(f"{folder}/**/{file}")) for folder in FOLDERS)
+
+
+def _resolves(name: str) -> bool:
+    """Whether a dotted name is a module of the package, or an attribute of one. A
+    module is found without being run (``fenceproxy.__main__`` would start it)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        module = ".".join(parts[:n])
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # under a module that is no package
+            found = False
+        if found:
+            value: Any = importlib.import_module(module) if parts[n:] else None
+            for attr in parts[n:]:
+                if not hasattr(value, attr):
+                    return False
+                value = getattr(value, attr)
+            return True
+    return False
+
+
+def test_every_file_module_and_test_the_pages_name_exists() -> None:
+    """A file (``fenceproxy/fence/write.py``, ``deploy/ha/``), a module by its file or
+    dotted name, a test (``tests/test_x.py::test_y``) that a page sends its reader to
+    is there: a module renamed or a test rewritten leaves no page pointing at nothing."""
+    broken = []
+    for page in NAMED_PAGES:
+        for n, _, spans in _spans(page):
+            where, last_file = _where(page, n), None
+            for span in spans:
+                for path in FILE_PATH.findall(span):
+                    if not (ROOT / path).exists():
+                        broken.append(f"{where}: `{path}`: no such file")
+                if MODULE_FILE.fullmatch(span) and not _a_module(span):
+                    broken.append(f"{where}: `{span}`: no such module")
+                if test := TEST_ID.fullmatch(span):
+                    file = test["file"] or last_file  # `::test_y` after `tests/test_x.py`
+                    if file is None or not (ROOT / file).is_file():
+                        broken.append(f"{where}: `{span}`: no file holds this test")
+                    elif test["name"] not in _defined(ROOT / file):
+                        broken.append(f"{where}: `{span}`: {file} defines no {test['name']}")
+                    last_file = file
+                elif span.endswith(".py"):
+                    last_file = span
+        for n, line in enumerate(page.read_text().split("\n"), 1):
+            for name in DOTTED.findall(line):  # prose and code blocks alike
+                if not FILE_SUFFIX.search(name) and name not in LOGGERS and not _resolves(name):
+                    broken.append(f"{_where(page, n)}: `{name}`: no such module or attribute")
+    assert not broken, "\n".join(broken)
+
+
+LOGGERS = {value.name for value in vars(log).values() if isinstance(value, logging.Logger)}
+LEVEL = "DEBUG|INFO|WARNING|ERROR|CRITICAL"
+LOG_LINE = re.compile(rf"^\S+ \S+ (?:{LEVEL}) (?P<text>\S+) |\"logger\": \"(?P<json>[^\"]+)\"")
+LOGGER_SPAN = re.compile(rf"(?P<logger>\w+(?:\.\w+)+)(?P<level>: (?:{LEVEL}))?")
+
+
+def _levels(data: Any) -> list[str]:
+    """The loggers a config's ``log_levels`` names."""
+    levels = data.get("log_levels") if isinstance(data, dict) else None
+    return list(levels) if isinstance(levels, dict) else []
+
+
+def test_every_logger_the_pages_name_is_one_the_proxy_logs_to() -> None:
+    """Where a page names a logger (a key of ``log_levels``, the logger of a log line
+    shown, a dotted name beside the word logger or given a level), it is one of
+    fenceproxy/log.py's: an operator who sets its level sees its lines change."""
+    named: list[tuple[str, str]] = []  # (where, logger)
+    for page in NAMED_PAGES:
+        for n, line, spans in _spans(page):
+            about_loggers = "logger" in line.lower()
+            for span in spans:
+                match = LOGGER_SPAN.fullmatch(span)
+                if match and (about_loggers or match["level"]) and not FILE_SUFFIX.search(span):
+                    named.append((_where(page, n), match["logger"]))
+                elif span.startswith("log_levels:"):
+                    named += [(_where(page, n), name) for name in _levels(_yaml(span))]
+    for block in code_blocks(NAMED_PAGES):
+        for n, line in enumerate(block.code.splitlines(), block.line + 1):
+            if match := LOG_LINE.search(line):
+                named.append((_where(block.path, n), match["text"] or match["json"]))
+        if block.lang == "yaml":
+            lines = block.code.splitlines()
+            for name in _levels(_yaml(block.code)):
+                found = (n for n, line in enumerate(lines, block.line + 1) if name in line)
+                named.append((_where(block.path, next(found, block.line)), name))
+    assert len(named) > 3  # the pages name loggers: a pattern that finds none is broken
+    broken = [f"{where}: `{name}`: not a logger of fenceproxy/log.py"
+              for where, name in named if name not in LOGGERS]  # fmt: skip
+    assert not broken, "\n".join(broken)
+
+
+def _yaml(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+
+
+SCHEMA = Config.model_json_schema()
+KEY = r"[a-z_][a-z0-9_]*(?:\[\d*\])?"
+KEY_PATH = re.compile(rf"{KEY}(?:\.(?:{KEY}|\*))*")
+KEY_FIRST = re.compile(rf"{KEY_PATH.pattern}:(?:\s|$)")
+# Keys the pages write as `key:` that are not the config's, and whose they are.
+NOT_CONFIG_KEYS = {
+    "synchronous_mode": "Patroni's",
+    "synchronous_mode_strict": "Patroni's",
+    "scheme": "Prometheus' scrape config",
+    "authorization": "Prometheus' scrape config",
+    "errors": "a member of the lease API's 422 answer",
+    "admit": "a label of model/fenceproxy.pml",
+    "done": "a label of model/fenceproxy.pml",
+}
+
+
+def _leaves(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """What a schema node stands for, through ``$ref`` and ``anyOf`` (``null`` for an
+    optional key among them)."""
+    if "$ref" in node:
+        yield from _leaves(SCHEMA["$defs"][node["$ref"].rsplit("/", 1)[1]])
+    elif "anyOf" in node:
+        for branch in node["anyOf"]:
+            yield from _leaves(branch)
+    else:
+        yield node
+
+
+def _objects(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The mappings of keys a schema node stands for, or holds a list of."""
+    for leaf in _leaves(node):
+        if "items" in leaf:
+            yield from _objects(leaf["items"])
+        elif "properties" in leaf:
+            yield leaf
+
+
+def _takes(objects: list[dict[str, Any]], path: list[str], value: Any = None) -> bool:
+    """Whether ``path`` is a key under one of ``objects`` that takes ``value`` (None:
+    no value written)."""
+    head, *rest = path
+    if head == "*":
+        return not rest and bool(objects)
+    nodes = [obj["properties"][head] for obj in objects if head in obj["properties"]]
+    if rest:
+        return _takes([obj for node in nodes for obj in _objects(node)], rest, value)
+    return any(_fits(node, value) for node in nodes)
+
+
+def _fits(node: dict[str, Any], value: Any) -> bool:
+    """Whether a key of ``node`` takes ``value`` as a page writes it: one of its
+    choices, a boolean where it wants one, keys it has. Other values (a size, an
+    address) are the loader's to check, in the YAML blocks."""
+    if value is None:
+        return True
+    if isinstance(value, dict) and (objects := list(_objects(node))):
+        return all(isinstance(key, str) and KEY_PATH.fullmatch(key) is not None
+                   and _takes(objects, _segments(key), v) for key, v in value.items())  # fmt: skip
+    return any(_is(leaf, value) for leaf in _leaves(node))
+
+
+def _is(leaf: dict[str, Any], value: Any) -> bool:
+    if "enum" in leaf:
+        return value in leaf["enum"]
+    kind = leaf.get("type")
+    return isinstance(value, bool) if kind == "boolean" else kind != "null"
+
+
+def _segments(path: str) -> list[str]:
+    """``routes[].fence.order`` to ``["routes", "fence", "order"]``."""
+    return [re.sub(r"\[\d*\]$", "", part) for part in path.split(".")]
+
+
+# Where a key may be: a key the pages write alone (`paths: exact`, `tls.ca`) is
+# relative to the section that holds it.
+ANYWHERE = [*_objects(SCHEMA), *(obj for d in SCHEMA["$defs"].values() for obj in _objects(d))]
+SECTIONS = {key for obj in ANYWHERE for key, node in obj["properties"].items()
+            if any(True for _ in _objects(node))}  # fmt: skip
+
+
+def _config_keys(spans: list[str]) -> Iterator[tuple[str, list[str], Any]]:
+    """The config keys among a line's spans, as (what is written, path, value): a
+    path whose first key is a section (``limits.max_buffered``,
+    ``routes[].fence.order``), or a key with its value (``order: generation``,
+    ``fence: {mode: report}``). A file name (``routes.py``), a logger given a level,
+    another program's key is not one."""
+    for span in spans:
+        if KEY_PATH.fullmatch(span) and "." in span and not FILE_SUFFIX.search(span):
+            if _segments(span)[0] in SECTIONS:
+                yield span, _segments(span), None
+        elif KEY_FIRST.match(span) and isinstance(data := _yaml(span), dict):
+            for key, value in data.items():
+                path = _segments(str(key))
+                if len(path) > 1 and path[0] not in SECTIONS:
+                    continue  # a logger given a level, say: the logger test's
+                if path[0] in NOT_CONFIG_KEYS:
+                    continue
+                yield span, path, value
+
+
+def _keys_table(page: Path) -> Iterator[tuple[int, str, list[str]]]:
+    """The first column of a table whose heading is ``key``, by line, as paths
+    (``routes[].name``; ``.path`` after it is ``routes[].path``)."""
+    in_table, last = False, [""]
+    for n, line in enumerate(_prose_lines(page), 1):
+        if not line.startswith("|"):
+            in_table = False
+        elif re.match(r"\|\s*key\s*\|", line):
+            in_table = True
+        elif in_table and not re.fullmatch(r"\|[-: |]+\|", line):
+            for key in re.findall(r"`([^`]+)`", line.split("|")[1]):
+                last = [*last[:-1], *_segments(key[1:])] if key[0] == "." else _segments(key)
+                yield n, key, last
+
+
+def test_every_config_key_the_pages_name_is_in_the_schema() -> None:
+    """A key a page names (``limits.max_buffered``, ``routes[].fence.order``,
+    ``paths: exact``, a table of keys) is one fenceproxy/config.py takes, with a value
+    among its choices: a key renamed or a choice dropped would send an operator to a
+    config the loader refuses. (The YAML blocks are loaded whole, by
+    test_a_yaml_block_is_a_config_the_loader_takes.)"""
+    checked, broken = 0, []
+    for page in NAMED_PAGES:
+        for n, _, spans in _spans(page):
+            for written, path, value in _config_keys(spans):
+                checked += 1
+                if not _takes(ANYWHERE, path, value):
+                    broken.append(f"{_where(page, n)}: `{written}`: not a config key, or not "
+                                  "a value it takes (fenceproxy/config.py)")  # fmt: skip
+        for n, key, path in _keys_table(page):
+            checked += 1
+            if not _takes(ANYWHERE, path):
+                where = _where(page, n)
+                broken.append(f"{where}: `{key}`: not a config key (fenceproxy/config.py)")
+    assert checked > 100  # the pages name keys: a pattern that finds none is broken
+    assert not broken, "\n".join(dict.fromkeys(broken))  # a table's key is a span too
+
+
+METRIC = re.compile(r"(?<![\w/.-])fenceproxy_[a-z0-9_]+")
+# The samples Prometheus' text format writes for each type of metric.
+SAMPLES = {"counter": ("", "_total", "_created"), "gauge": ("",), "info": ("", "_info"),
+           "histogram": ("", "_bucket", "_sum", "_count", "_created"),
+           "summary": ("", "_sum", "_count", "_created")}  # fmt: skip
+METRIC_TYPES = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram",
+                "Summary": "summary", "Info": "info"}  # fmt: skip
+
+
+def _metrics() -> set[str]:
+    """Every sample name of the metrics the package defines (``Counter("name", ...)``,
+    ``CounterMetricFamily("name", ...)`` and the like)."""
+    names = set()
+    for file in (ROOT / "fenceproxy").rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            func, name = node.func, node.args[0]
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            kind = METRIC_TYPES.get(called.removesuffix("MetricFamily"))
+            if kind and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                names |= {name.value + suffix for suffix in SAMPLES[kind]}
+    return names
+
+
+def test_every_metric_the_pages_name_is_one_the_proxy_serves() -> None:
+    """A ``fenceproxy_*`` name a page writes is a metric the package defines, as
+    Prometheus writes its samples (``_total``, ``_bucket`` ...), or a function the
+    PostgreSQL store creates: a dashboard or an alert copied from a page finds its
+    series."""
+    metrics = _metrics()
+    assert {"fenceproxy_decisions_total", "fenceproxy_upstream_seconds_bucket"} <= metrics
+    store = "".join(file.read_text() for file in (ROOT / "fenceproxy" / "store").glob("*.py"))
+    functions = set(re.findall(r"\bFUNCTION\s+(fenceproxy_\w+)", store))
+    broken = []
+    for page in NAMED_PAGES:
+        for n, line in enumerate(page.read_text().split("\n"), 1):
+            for name in METRIC.findall(line):  # prose and code blocks alike
+                if name not in metrics and name not in functions:
+                    broken.append(f"{_where(page, n)}: `{name}`: not a metric fenceproxy "
+                                  "defines (fenceproxy/ops/metrics.py), nor a function of "
+                                  "its PostgreSQL store")  # fmt: skip
+    assert not broken, "\n".join(broken)
