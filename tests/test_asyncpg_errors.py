@@ -78,7 +78,7 @@ def test_the_driver_surface_the_store_calls_exists() -> None:
     for name in ("acquire", "close"):
         assert callable(getattr(asyncpg.Pool, name))
     names = ("transaction", "execute", "fetch", "fetchrow", "fetchval", "close", "terminate")
-    for name in (*names, "get_settings"):
+    for name in (*names, "get_settings", "get_server_pid"):
         assert callable(getattr(asyncpg.Connection, name))
     create_pool = inspect.signature(asyncpg.create_pool).parameters
     assert {"min_size", "max_size", "init", "reset"} <= set(create_pool)  # the rest: connect()

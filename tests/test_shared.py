@@ -1,16 +1,19 @@
 """Several proxies, one truth: real proxy processes on one PostgreSQL database, a
-proxy killed with SIGKILL mid-write, the database restarted under traffic."""
+proxy killed with SIGKILL mid-write, the database restarted under traffic, and the
+proxies' sessions ended by the server mid-batch."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
 import pytest
 from aiohttp import web
 
@@ -181,3 +184,146 @@ async def test_a_database_restart_under_traffic_loses_nothing_and_lets_nothing_s
     for n in range(4):
         generations = [g for job, g in applied if job == f"job{n}"]
         assert generations == sorted(generations)  # nothing stale after a newer one
+
+
+# The server processes of the proxies' store connections waiting on an advisory lock:
+# a batch whose admission waits for a job the test holds.
+_WAITING = (
+    "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+    " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+)
+_HOLD = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
+# What a proxy logs of each store connection it drops: the backend's process id, and why.
+_DROPPED = re.compile(
+    r" WARNING fenceproxy\.store .* dropped its connection to backend (\d+): (.*)"
+)
+
+
+async def waiting(conn: asyncpg.Connection, count: int) -> list[int]:
+    """The ``count`` backends waiting on an advisory lock, once that many are."""
+    async with asyncio.timeout(10):
+        while len(pids := [pid for (pid,) in await conn.fetch(_WAITING)]) < count:
+            await asyncio.sleep(0.01)
+    return pids
+
+
+def dropped(proxy: ProxyProcess) -> list[tuple[int, str]]:
+    """The store connections ``proxy`` logged as dropped: (backend, why)."""
+    return [(int(m[1]), m[2]) for m in _DROPPED.finditer(proxy.output())]
+
+
+async def claim(http: aiohttp.ClientSession, proxy: ProxyProcess, job: str) -> int:
+    async with http.post(f"{proxy.url}/_leases/{job}/claim", json={"owner": "w"}) as answer:
+        return answer.status
+
+
+async def test_sessions_ended_mid_batch_fail_once_and_the_next_write_on_each_proxy_succeeds(
+    spawn: Callable[..., ProxyProcess],
+    http: aiohttp.ClientSession,
+    upstream: RecordingUpstream,
+    database: str,
+) -> None:
+    """The server ends every session of two proxies (``pg_terminate_backend``, as an
+    operator, a pooler or a server shutting down does) while each proxy's batch waits
+    in it, with writes queued behind and claims coming through both. A write whose
+    batch was cut gets 503 ``store-unavailable`` and is never forwarded. A connection
+    lost costs at most its one operation: it is never used again, and its proxy logs
+    it once, a warning naming the server's process and why, never a traceback. A
+    claim right after is granted, and the next write on each proxy is forwarded."""
+    proxies = [await spawn().start(), await spawn().start()]
+    for n, proxy in enumerate(proxies):  # each pool holds connections
+        assert await write(http, proxy, f"warm{n}", 1) == (200, "")
+    stop = asyncio.Event()
+    writes: list[tuple[int, str]] = []
+    claims: list[int] = []
+
+    async def writing(n: int) -> None:
+        generation = 0
+        while not stop.is_set():
+            generation += 1
+            writes.append(await write(http, proxies[n % 2], f"job{n}", generation))
+
+    async def claiming(n: int) -> None:
+        while not stop.is_set():
+            claims.append(await claim(http, proxies[n % 2], f"lease{n}.{len(claims)}"))
+
+    holder = await asyncpg.connect(database)
+    workers = []
+    try:
+        await holder.execute(_HOLD, "held")
+        cut = [asyncio.ensure_future(write(http, proxy, "held", 1)) for proxy in proxies]
+        cut_pids = await waiting(holder, 2)  # one batch per proxy, each on its connection
+        workers = [asyncio.ensure_future(w(n)) for n in range(4) for w in (writing, claiming)]
+        async with asyncio.timeout(10):
+            while len(claims) < 10:  # lease calls run beside the batches
+                await asyncio.sleep(0.01)
+        # Every session but this one; each call waits until its process has ended.
+        ended = await holder.fetch(
+            "SELECT pid, pg_terminate_backend(pid, 10000) AS gone FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        assert all(row["gone"] for row in ended), ended
+        terminated = {row["pid"] for row in ended}
+        assert set(cut_pids) <= terminated
+        after = [await claim(http, proxy, f"after{n}") for n, proxy in enumerate(proxies)]
+        assert after == [200, 200]
+        assert [await c for c in cut] == [(503, "store-unavailable")] * 2
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        await holder.close()
+    assert {kind for status, kind in writes if status != 200} <= {"store-unavailable"}, writes
+    assert set(claims) <= {200, 503}, claims
+    for n, proxy in enumerate(proxies):
+        assert await write(http, proxy, "next", n + 1) == (200, "")
+    received = [(r.job, r.generation) for r in upstream.received]
+    assert received[-2:] == [("next", 1), ("next", 2)]
+    assert "held" not in {job for job, _ in received}
+    for proxy in proxies:
+        output = proxy.output()
+        assert "Traceback" not in output
+        lost = dropped(proxy)
+        warnings = [line for line in output.splitlines() if " WARNING " in line]
+        assert len(warnings) == len(lost), warnings  # every warning is a lost connection
+        assert len({pid for pid, _ in lost}) == len(lost), lost  # each logged once
+        assert {pid for pid, _ in lost} <= terminated, (lost, terminated)
+        cut_lines = [why for pid, why in lost if pid in cut_pids]
+        assert len(cut_lines) == 1, f"its cut batch's connection, logged once: {warnings}"
+        assert "terminating connection due to administrator command" in cut_lines[0], cut_lines
+
+
+async def test_a_connection_whose_statement_failed_is_closed_not_used_again(
+    spawn: Callable[..., ProxyProcess],
+    http: aiohttp.ClientSession,
+    upstream: RecordingUpstream,
+    database: str,
+) -> None:
+    """A statement of a batch fails (an operator cancels it with ``pg_cancel_backend``
+    while it waits): the batch's write gets 503 ``store-unavailable``, nothing is
+    forwarded, and the connection it ran on is closed rather than given back to the
+    pool. The proxy cannot tell a failed connection that still works from one whose
+    server is ending it (the server's last word has come, the socket's end not yet),
+    and the next caller on that one would fail too. The next write runs on a new
+    connection, and the proxy logs the one it dropped once."""
+    proxy = await spawn().start()
+    gone = "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)"
+    holder = await asyncpg.connect(database)
+    try:
+        await holder.execute(_HOLD, "held")
+        cut = asyncio.ensure_future(write(http, proxy, "held", 1))
+        (pid,) = await waiting(holder, 1)
+        assert await holder.fetchval("SELECT pg_cancel_backend($1)", pid)
+        assert await cut == (503, "store-unavailable")
+        try:
+            async with asyncio.timeout(10):  # its process ends once the proxy hangs up
+                while not await holder.fetchval(gone, pid):
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            pytest.fail(f"the connection to backend {pid} was kept after its statement failed")
+    finally:
+        await holder.close()
+    assert await write(http, proxy, "next", 1) == (200, "")
+    assert [(r.job, r.generation) for r in upstream.received] == [("next", 1)]
+    ((logged, why),) = dropped(proxy)
+    assert logged == pid
+    assert why.startswith("QueryCanceledError: canceling statement due to user request"), why

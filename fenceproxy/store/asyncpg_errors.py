@@ -31,7 +31,7 @@ import asyncpg
 
 from ..errors import StoreError
 
-__all__ = ["ERRORS", "failed", "reconnects_in_one_line"]
+__all__ = ["ERRORS", "failed", "first", "reconnects_in_one_line"]
 
 ERRORS: tuple[type[Exception], ...] = (
     asyncpg.PostgresError,
@@ -47,6 +47,16 @@ def failed(doing: str, exc: Exception) -> StoreError:
     """The StoreError for ``exc``, met while ``doing`` (a sentence's start that names
     the store, such as ``cannot connect to the PostgreSQL store host/db``)."""
     return StoreError(f"{doing}: {exc}")
+
+
+def first(exc: Exception) -> Exception:
+    """The error ``exc`` was raised over, while that was one of :data:`ERRORS` too: the
+    one that says why. Leaving a transaction on a connection the server ended raises
+    ``cannot call Transaction.__aexit__(): the underlying connection is closed`` over
+    the server's own word (``terminating connection due to administrator command``)."""
+    while isinstance(exc.__context__, ERRORS):
+        exc = exc.__context__
+    return exc
 
 
 class _OneLine(logging.Filter):

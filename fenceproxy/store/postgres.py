@@ -32,7 +32,8 @@ purge skips rows a batch holds. A batch of settlements alone is the one call.
 
 Errors of the driver and the network become :class:`~fenceproxy.errors.StoreError`
 as :mod:`.asyncpg_errors` says: in :meth:`PostgresStore._run` and
-:meth:`PostgresStore._run_batch` for every operation,
+:meth:`PostgresStore._run_batch` for every operation (logged once, and the connection
+they happened on closed, in :meth:`PostgresStore._connection`),
 and where :meth:`~PostgresStore.open` and :meth:`~PostgresStore.migrate` connect.
 """
 
@@ -54,7 +55,7 @@ from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
 from ..leases.model import InFlightSummary, Lease, LeaseChange, decide_lease, decide_write
 from ..log import store_log
 from . import rows
-from .asyncpg_errors import ERRORS, failed, reconnects_in_one_line
+from .asyncpg_errors import ERRORS, failed, first, reconnects_in_one_line
 from .base import Decision, JobView, Store, StoreServer, key_not_held, to_completion
 from .batch import Batches
 
@@ -428,7 +429,22 @@ async def _kept(conn: asyncpg.Connection) -> None:
     no session state: every lock it takes is its transaction's, it listens to
     nothing and opens no cursor, and an open transaction is rolled back by the pool
     first. asyncpg's default reset (``RESET ALL``, ``UNLISTEN *``, ``CLOSE ALL``,
-    the advisory locks unlocked) would cost a round trip per use."""
+    the advisory locks unlocked) would cost a round trip per use. Nor is it what
+    finds a broken connection: one on which anything failed is never given back
+    (:meth:`PostgresStore._connection` closes it)."""
+
+
+def _drop(conn: _Conn) -> None:
+    """Close ``conn`` for good. One whose socket closed already was let go by the pool
+    as it closed, and its proxy refuses every call (InterfaceError)."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
+
+
+def _failed(exc: Exception) -> StoreError:
+    """What every caller of a failed operation gets, saying why it failed."""
+    cause = first(exc)
+    return failed(f"PostgreSQL store failed: {type(cause).__name__}", cause)
 
 
 async def _one(conn: _Conn, statement: str, *args: Any) -> asyncpg.Record:
@@ -701,31 +717,56 @@ class PostgresStore(Store):
                 self.on_commit(time.monotonic() - started, 1)
                 return result
         except ERRORS as exc:
-            store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
-            raise failed(f"PostgreSQL store failed: {type(exc).__name__}", exc) from exc
+            raise _failed(exc) from exc
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[_Conn]:
-        """A pooled connection to a primary. One whose server no longer takes writes
-        (a standby, or read-only: as the server last reported, without a round trip)
-        is closed and never used; so is one whose statement was refused as read-only.
-        The pool opens the next one where the URL's ``target_session_attrs`` says,
-        on whichever host is primary then."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            settings = conn.get_settings()
-            if "on" in (
-                getattr(settings, "in_hot_standby", "off"),
-                getattr(settings, "default_transaction_read_only", "off"),
-            ):
-                conn.terminate()
-                raise asyncpg.exceptions.TargetServerAttributeNotMatched(
-                    f"{self.server.address} no longer takes writes (a standby, or read-only)"
+        """A pooled connection to a primary. What fails here is logged here, once, as a
+        warning naming the connection's server process when there was one; the
+        connection it failed on is closed, never given back to the pool, which cannot
+        tell it from a sound one: one the server ended may not know it yet (the
+        server's last word has come, the end of its socket not), and :func:`_kept`
+        makes no round trip that would find out. One whose server no longer takes
+        writes (a standby, or read-only: as the server last reported, without a
+        round trip) is closed unused. The pool opens the next one where the URL's
+        ``target_session_attrs`` says, on whichever host is primary then."""
+        backend: int | None = None
+        try:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+                backend = conn.get_server_pid()
+                try:
+                    self._takes_writes(conn)
+                    yield conn
+                except ERRORS:
+                    _drop(conn)
+                    raise
+        except ERRORS as exc:
+            cause = first(exc)
+            if backend is None:
+                store_log.warning(
+                    "PostgreSQL store %s failed: %s: %s", self._where, type(cause).__name__, cause
                 )
-            try:
-                yield conn
-            except asyncpg.exceptions.ReadOnlySQLTransactionError:
-                conn.terminate()
-                raise
+            else:
+                store_log.warning(
+                    "PostgreSQL store %s dropped its connection to backend %d: %s: %s",
+                    self._where,
+                    backend,
+                    type(cause).__name__,
+                    cause,
+                )
+            raise
+
+    def _takes_writes(self, conn: _Conn) -> None:
+        """TargetServerAttributeNotMatched when ``conn``'s server no longer takes writes,
+        as it last reported: a standby, or read-only."""
+        settings = conn.get_settings()
+        if "on" in (
+            getattr(settings, "in_hot_standby", "off"),
+            getattr(settings, "default_transaction_read_only", "off"),
+        ):
+            raise asyncpg.exceptions.TargetServerAttributeNotMatched(
+                f"{self.server.address} no longer takes writes (a standby, or read-only)"
+            )
 
     # -- batches ---------------------------------------------------------------
 
@@ -756,9 +797,7 @@ class PostgresStore(Store):
                         if applied.needed:
                             await conn.execute(_APPLY, *applied.arguments())
         except ERRORS as exc:
-            store_log.error("PostgreSQL store %s failed: %s", self._where, exc)
-            error = failed(f"PostgreSQL store failed: {type(exc).__name__}", exc)
-            return [error] * len(ops)
+            return [_failed(exc)] * len(ops)
         self.on_commit(time.monotonic() - started, len(ops))
         result: list[Any] = [None] * len(ops)
         for n, outcome in zip(order, outcomes, strict=True):
