@@ -177,14 +177,20 @@ def _serve(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> int
     if seat is None and config.workers > 1:
         with asyncio.Runner(loop_factory=loop) as runner:
             code = runner.run(
-                supervise(config, worker_argv(argv), lambda: notify_systemd("READY=1"))
+                supervise(
+                    config,
+                    worker_argv(argv),
+                    lambda: notify_systemd("READY=1"),
+                    lambda keep: _load(args, keep),
+                )
             )
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as below
         return code
 
     def listening() -> None:
         server_log.info(
-            "fenceproxy on http://%s:%d, %d route(s), store: %s, %s%s",
+            "fenceproxy on %s://%s:%d, %d route(s), store: %s, %s%s",
+            "http" if config.tls is None else "https",
             host,
             port,
             len(config.routes),

@@ -37,7 +37,15 @@ from .fence.tokens import KEY_ID, SigningKeys, decode_key
 from .leases.auth import SECRET, LeaseCredentials
 from .spool import SpoolFolder, default_folder
 from .store.url import absolute_store_url, parse_store_url
-from .tls import ClientTLS, ServerTLS, client_context, parse_subject, server_context
+from .tls import (
+    Certificate,
+    ClientTLS,
+    ServerTLS,
+    client_context,
+    parse_subject,
+    read_certificate,
+    server_context,
+)
 from .units import parse_duration, parse_size
 
 __all__ = [
@@ -287,6 +295,9 @@ class ListenerTlsSpec(_Model):
     for a lease API credential (``leases.clients[].subject``)."""
     client_cert: Literal["optional", "required"] = "optional"
     """With ``client_ca``: whether a client without a certificate is refused."""
+    allow_expired: bool = False
+    """Serve ``cert`` even once it has expired (for tests); off, an expired one is
+    refused at start and on a reload, as one that cannot be loaded."""
 
     @model_validator(mode="after")
     def _ca_for_required(self) -> ListenerTlsSpec:
@@ -295,7 +306,13 @@ class ListenerTlsSpec(_Model):
         return self
 
     def server(self) -> ServerTLS:
-        return ServerTLS(self.cert, self.key, self.client_ca, self.client_cert == "required")
+        return ServerTLS(
+            self.cert,
+            self.key,
+            self.client_ca,
+            self.client_cert == "required",
+            self.allow_expired,
+        )
 
 
 class UpstreamTlsSpec(_Model):
@@ -739,6 +756,44 @@ def admin_credentials(config: Config, source: str) -> LeaseCredentials | None:
         raise ConfigError(source, [("admin_clients", str(exc))]) from None
 
 
+RESTART_ONLY = (
+    "listen",
+    "tls",
+    "admin",
+    "admin_tls",
+    "store",
+    "workers",
+    "idempotency.ttl",
+    "shutdown_timeout",
+    "limits.body_temp_path",
+)
+"""What a reload cannot change: where it listens, what it keeps its state in."""
+
+Reader = Callable[[Mapping[str, Any] | None], Config]
+"""Reads the config file again, keeping the given dotted keys' values (``keep`` of
+:func:`load_config`)."""
+
+
+def restart_only(running: Config, config: Config) -> dict[str, Any]:
+    """What ``config`` changes that only a restart can: each dotted key of
+    :data:`RESTART_ONLY` (``store``, ``idempotency.ttl``, ...) with its value in
+    ``running``, to keep on a reload."""
+    kept = {}
+    for name in RESTART_ONLY:
+        value = setting(running, name)
+        if setting(config, name) != value:
+            kept[name] = False if value is None else value  # admin: false
+    return kept
+
+
+def setting(config: Config, name: str) -> Any:
+    """The value of a dotted key (``limits.body_temp_path``)."""
+    value: Any = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def tls_contexts(config: Config, source: str) -> TlsContexts:
     """Every TLS context the config asks for, made from its files; ConfigError naming
     the file and the key of each that cannot be loaded."""
@@ -767,6 +822,45 @@ def tls_contexts(config: Config, source: str) -> TlsContexts:
     if problems:
         raise ConfigError(source, problems)
     return contexts
+
+
+@dataclass(frozen=True, slots=True)
+class Presented:
+    """A certificate the proxy presents: a listener's (``label`` listener, ``name``
+    proxy or admin) or a route's to its upstream (``label`` route, ``name`` the
+    route's), which the config names at ``key``."""
+
+    label: Literal["listener", "route"]
+    name: str
+    key: str
+    certificate: Certificate
+
+    def __str__(self) -> str:
+        if self.label == "route":
+            return f"the client certificate of route {self.name!r} ({self.key}.cert)"
+        return f"the {self.name} listener's certificate ({self.key}.cert)"
+
+
+def presented(config: Config, source: str) -> tuple[Presented, ...]:
+    """Every certificate ``config`` has the proxy present, with its subject and dates
+    read from its file; ConfigError naming the key of each that cannot be read."""
+    named: list[tuple[Literal["listener", "route"], str, str, Any]] = [
+        ("listener", "proxy", "tls", config.tls),
+        ("listener", "admin", "admin_tls", config.admin_tls),
+        *(("route", r.name, f"routes[{n}].tls", r.tls) for n, r in enumerate(config.routes)),
+    ]
+    found, problems = [], []
+    for label, name, key, spec in named:
+        file: str | None = None if spec is None else spec.cert
+        if file is None:
+            continue
+        try:
+            found.append(Presented(label, name, key, read_certificate(file)))
+        except ValueError as exc:
+            problems.append((f"{key}.cert", str(exc)))
+    if problems:
+        raise ConfigError(source, problems)
+    return tuple(found)
 
 
 def _client(spec: UpstreamTlsSpec) -> Callable[[], ssl.SSLContext]:

@@ -11,7 +11,14 @@ handshake without one when it is required: that CA alone, never the system's.
 Reloading puts the new certificate and key into the same context: connections open
 keep what they were made with, new ones get the new pair, and a pair that cannot
 be loaded leaves the context as it was. (A context cannot forget a CA it trusts, so
-another client CA takes a restart.)
+another client CA takes a restart.) A listener's certificate that has expired is
+refused as one that cannot be loaded, unless its ``allow_expired`` says to serve it:
+every client would refuse it.
+
+:func:`read_certificate` reads a certificate's subject and dates (with
+``cryptography``: the standard library decodes only a peer's verified certificate),
+for the warnings of a certificate near its end, the metric of its end and the
+operator page.
 
 An upstream's context verifies the upstream's certificate against the system's CAs,
 or the route's CA alone, for the route's ``server_name`` or the upstream's host, and
@@ -22,13 +29,29 @@ verification off (the proxy warns at start).
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ClientTLS", "ServerTLS", "client_context", "reload_server", "server_context", "subject"]
+from cryptography import x509
+
+__all__ = [
+    "ENDING",
+    "Certificate",
+    "ClientTLS",
+    "ServerTLS",
+    "client_context",
+    "read_certificate",
+    "reload_server",
+    "server_context",
+    "subject",
+]
 
 _ALPN = ["http/1.1"]
+ENDING = 14 * 86400.0
+"""A certificate this close to its end (in seconds) is warned of, and flagged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +63,8 @@ class ServerTLS:
     key: str
     client_ca: str | None = None
     require_client_cert: bool = False
+    allow_expired: bool = False
+    """Serve the certificate even once it has expired (for tests)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +90,7 @@ def server_context(spec: ServerTLS) -> ssl.SSLContext:
         ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_RENEGOTIATION
     )
     _load_chain(context, spec.cert, spec.key)
+    _not_expired(spec)
     if spec.client_ca is not None:
         _load_ca(context, spec.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED if spec.require_client_cert else ssl.CERT_OPTIONAL
@@ -74,7 +100,8 @@ def server_context(spec: ServerTLS) -> ssl.SSLContext:
 def reload_server(context: ssl.SSLContext, spec: ServerTLS) -> None:
     """Load ``spec``'s certificate and key into ``context`` (a reload): new handshakes
     present them. ValueError naming the file, with the context left as it was, when
-    the pair cannot be loaded."""
+    the pair cannot be loaded. (One expired is refused before, when the config is
+    read again: :func:`server_context` makes its trial.)"""
     _load_chain(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), spec.cert, spec.key)  # a trial
     _load_chain(context, spec.cert, spec.key)
 
@@ -144,6 +171,74 @@ _SHORT = {
 
 
 _KNOWN = frozenset(_SHORT.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Certificate:
+    """A certificate's subject and the dates between which clients accept it (Unix
+    times), read from ``file``."""
+
+    file: str
+    subject: str
+    not_before: float
+    not_after: float
+
+    def concern(self, now: float) -> str | None:
+        """What a client will make of it, if anything is wrong: expired, not yet valid,
+        or ending within :data:`ENDING`; None when it is good for longer."""
+        if now >= self.not_after:
+            return f"expired on {_day(self.not_after)}: whoever verifies it refuses it"
+        if now < self.not_before:
+            return (
+                f"is not valid before {_day(self.not_before)}: whoever verifies it refuses "
+                "it until then"
+            )
+        if self.not_after - now <= ENDING:
+            return f"ends on {_day(self.not_after)} ({self.days_left(now)} days left): renew it"
+        return None
+
+    def days_left(self, now: float) -> int:
+        """Days from ``now`` to its end, to the nearest (below 0 once it has ended)."""
+        return round((self.not_after - now) / 86400)
+
+
+def read_certificate(file: str) -> Certificate:
+    """The first certificate of the PEM file ``file`` (a chain's leaf, the one
+    presented): its subject and dates. ValueError naming the file when it cannot be
+    read or holds no certificate that can be decoded."""
+    try:
+        leaf = x509.load_pem_x509_certificate(Path(file).read_bytes())
+    except OSError as exc:
+        raise ValueError(f"cannot read the certificate {file}: {_why(exc)}") from None
+    except ValueError as exc:
+        raise ValueError(f"cannot read the certificate {file}: {exc}") from None
+    subject = ", ".join(
+        "".join(c if c.isprintable() else "?" for c in rdn.rfc4514_string())
+        for rdn in leaf.subject.rdns
+    )
+    return Certificate(
+        file,
+        subject,
+        leaf.not_valid_before_utc.timestamp(),
+        leaf.not_valid_after_utc.timestamp(),
+    )
+
+
+def _not_expired(spec: ServerTLS) -> None:
+    """ValueError naming the file when its certificate has expired, unless allowed."""
+    if spec.allow_expired:
+        return
+    cert = read_certificate(spec.cert)
+    if time.time() >= cert.not_after:
+        raise ValueError(
+            f"the certificate {spec.cert} ({cert.subject}) expired on "
+            f"{_day(cert.not_after)}: every client refuses it; renew it "
+            "(allow_expired: true serves it anyway, for tests)"
+        )
+
+
+def _day(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 def _load_chain(context: ssl.SSLContext, cert: str, key: str) -> None:

@@ -37,9 +37,10 @@ class Certificates:
         name: str = "server",
         hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
         not_after: datetime.datetime | None = None,
+        not_before: datetime.datetime | None = None,
     ) -> tuple[Path, Path]:
         """A server certificate for ``hosts``: its chain and key files."""
-        leaf = self.ca.issue_cert(*hosts, not_after=not_after)
+        leaf = self.ca.issue_cert(*hosts, not_after=not_after, not_before=not_before)
         return write_pair(leaf, self.folder, name)
 
     def client(self, common_name: str, name: str | None = None) -> tuple[Path, Path]:

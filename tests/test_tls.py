@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import re
 import shutil
 import signal
 import ssl
@@ -27,6 +28,7 @@ import httpx
 import pytest
 import yaml
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from fenceproxy.client import LeaseClient
 from fenceproxy.config import load_config, parse_config
@@ -77,6 +79,17 @@ async def running(config: Path) -> AsyncIterator[ProxyProcess]:
         yield proxy
     finally:
         await proxy.stop()
+
+
+async def refused_start(config: Path) -> str:
+    """What a proxy that does not start with ``config`` says as it exits."""
+    proxy = ProxyProcess(config, free_port())
+    try:
+        with pytest.raises(RuntimeError) as stopped:
+            await proxy.start()
+    finally:
+        await proxy.stop()
+    return str(stopped.value)
 
 
 def https(proxy: ProxyProcess) -> str:
@@ -148,6 +161,7 @@ async def test_the_listener_speaks_tls_to_curl_and_the_python_clients(
             f"{https(proxy)}/billing/charges",
         )  # fmt: skip
         assert (code, out) == (0, "200 HTTPS")
+        assert f"fenceproxy on https://127.0.0.1:{proxy.port}," in proxy.output()
         (arrived,) = await upstream.wait_for(1)
         assert arrived.headers["X-Forwarded-Proto"] == "https"
 
@@ -214,7 +228,8 @@ async def test_clients_refuse_a_listener_certificate_for_another_name_or_expired
     why: str,
 ) -> None:
     certs.server(hosts=hosts, not_after=not_after)
-    async with running(write_config(tmp_path, upstream.url, tls=LISTENER)) as proxy:
+    tls = {**LISTENER, "allow_expired": not_after is not None}  # served, as for a test
+    async with running(write_config(tmp_path, upstream.url, tls=tls)) as proxy:
         code, out = await run(
             "curl", "-sS", "--cacert", str(certs.ca_file), "-d", "{}",
             *(f"-H{name}: {value}" for name, value in FENCED.items()),
@@ -324,6 +339,169 @@ async def eventually_async(check: Any, within: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
+# -- certificates near or past their end ---------------------------------------------
+
+
+def days_from_now(days: float) -> datetime.datetime:
+    """A certificate's date ``days`` from now, to the second (as X.509 keeps it)."""
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    return now + datetime.timedelta(days=days)
+
+
+def iso(at: datetime.datetime) -> str:
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def lines_with(output: str, text: str) -> list[str]:
+    return [line for line in output.splitlines() if text in line]
+
+
+LEDGER = {
+    "name": "ledger",
+    "path": "/ledger/",
+    "upstream": "https://127.0.0.1:9",
+    "tls": {"cert": "tls/client.pem", "key": "tls/client-key.pem"},
+}
+"""A route presenting a client certificate to its upstream (never asked here)."""
+
+
+@pytest.mark.parametrize(("key", "name"), [("tls", "proxy"), ("admin_tls", "admin")])
+async def test_an_expired_listener_certificate_stops_the_start_naming_its_file_and_key(
+    tmp_path: Path, certs: Certificates, upstream: RecordingUpstream, key: str, name: str
+) -> None:
+    """Every client refuses a certificate past its end (curl exits 60): the proxy does
+    not start with one, and says which file under which key; ``allow_expired: true``
+    (a test's) serves it, warned of."""
+    end = days_from_now(-1)
+    certs.server(not_after=end)
+    cert = tmp_path / "tls" / "server.pem"
+    config = write_config(tmp_path, upstream.url, **{key: LISTENER})
+    said = await refused_start(config)
+    assert said.startswith("fenceproxy exited 2: fenceproxy: config error\n")
+    assert f"{config}: {key}: the certificate {cert} (O=trustme" in said
+    assert f"expired on {iso(end)}: every client refuses it" in said
+
+    allowed = {**LISTENER, "allow_expired": True}
+    async with running(write_config(tmp_path, upstream.url, **{key: allowed})) as served:
+        (line,) = lines_with(served.output(), f"the {name} listener's certificate")
+        assert f"WARNING fenceproxy.server the {name} listener's certificate ({key}.cert) " in line
+        assert f"{cert} (O=trustme" in line
+        assert line.endswith(f"expired on {iso(end)}: whoever verifies it refuses it")
+
+
+async def test_an_expired_certificate_is_refused_on_reload_and_the_last_one_kept(
+    tmp_path: Path, certs: Certificates, upstream: RecordingUpstream
+) -> None:
+    """A renewal that put an expired certificate in place is refused in one line, and
+    the proxy goes on presenting the one it had, as for a pair that does not load."""
+    certs.server()
+    context = trusting(certs.ca_file)
+    async with running(write_config(tmp_path, upstream.url, tls=LISTENER)) as proxy:
+        tls, _ = await exchange(proxy.port, context)
+        first = tls.getpeercert(binary_form=True)
+        end = days_from_now(-2)
+        certs.server(not_after=end)
+        proxy.signal(signal.SIGHUP)
+        await eventually(lambda: "reload refused" in proxy.output())
+        (line,) = lines_with(proxy.output(), "reload refused")
+        assert f"tls: the certificate {tmp_path / 'tls' / 'server.pem'} (O=trustme" in line
+        assert f"expired on {iso(end)}" in line
+        tls, head = await exchange(proxy.port, context, fenced_request("invoice-1", 1))
+        assert tls.getpeercert(binary_form=True) == first
+        assert head.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_a_certificate_near_its_end_or_not_yet_valid_is_warned_of_at_start_and_on_reload(
+    tmp_path: Path, certs: Certificates, upstream: RecordingUpstream
+) -> None:
+    """Clients will refuse a certificate once it ends, or before it begins: one line
+    names each that ends within 14 days (a listener's, a route's client certificate)
+    or is not valid yet, with its file, subject and date, when the proxy starts and
+    when a reload loads it, while there is time to renew it."""
+    ending, client_ending = days_from_now(5), days_from_now(10)
+    certs.server(not_after=ending)
+    certs.server("client", not_after=client_ending)
+    billing = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
+    config = write_config(tmp_path, upstream.url, tls=LISTENER, routes=[billing, LEDGER])
+    listener = "WARNING fenceproxy.server the proxy listener's certificate (tls.cert) "
+    route = "WARNING fenceproxy.server the client certificate of route 'ledger' "
+    async with running(config) as proxy:
+        (line,) = lines_with(proxy.output(), listener)
+        assert f"{tmp_path / 'tls' / 'server.pem'} (O=trustme" in line
+        assert line.endswith(f"ends on {iso(ending)} (5 days left): renew it")
+        (line,) = lines_with(proxy.output(), route)
+        assert f"(routes[1].tls.cert) {tmp_path / 'tls' / 'client.pem'} (O=trustme" in line
+        assert line.endswith(f"ends on {iso(client_ending)} (10 days left): renew it")
+
+        begins = days_from_now(2)
+        certs.server(not_before=begins, not_after=days_from_now(400))
+        proxy.signal(signal.SIGHUP)
+        await eventually(lambda: len(lines_with(proxy.output(), route)) == 2)
+        *_, line = lines_with(proxy.output(), listener)
+        assert line.endswith(
+            f"is not valid before {iso(begins)}: whoever verifies it refuses it until then"
+        )
+
+
+async def test_each_certificates_end_is_a_metric_and_on_the_operator_page(
+    tmp_path: Path, certs: Certificates, upstream: RecordingUpstream
+) -> None:
+    """An operator's alert and the operator page see when each certificate the proxy
+    presents ends (the listeners', a route's client certificate), as loaded at start
+    and again on a reload; the page flags one ending within 14 days."""
+    ends = {"proxy": days_from_now(5), "admin": days_from_now(200), "ledger": days_from_now(30)}
+    certs.server(not_after=ends["proxy"])
+    certs.server("admin", not_after=ends["admin"])
+    certs.server("client", not_after=ends["ledger"])
+    billing = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
+    admin_tls = {"cert": "tls/admin.pem", "key": "tls/admin-key.pem"}
+    config = write_config(
+        tmp_path, upstream.url, tls=LISTENER, admin_tls=admin_tls, routes=[billing, LEDGER]
+    )
+    async with (
+        running(config) as proxy,
+        httpx.AsyncClient(verify=trusting(certs.ca_file)) as http,
+    ):
+        admin = proxy.admin_url.replace("http://", "https://")
+
+        async def shown() -> tuple[dict[tuple[str, str], float], dict[str, tuple[str, str, bool]]]:
+            metrics = (await http.get(f"{admin}/metrics")).text
+            samples = {
+                next(iter(sample.labels.items())): sample.value
+                for family in text_string_to_metric_families(metrics)
+                if family.name == "fenceproxy_tls_certificate_expiry_timestamp_seconds"
+                for sample in family.samples
+            }
+            page = (await http.get(f"{admin}/")).text
+            table = page.split('<tbody id="certificates">', 1)[1].split("</tbody>", 1)[0]
+            rows = re.findall(
+                r'<tr( class="ending")?><td>([^<]*)</td>(?:<td>[^<]*</td>){2}'
+                r"<td>([^<]*)</td><td>(-?\d+)</td>",
+                table,
+            )
+            return samples, {of: (end, days, bool(flag)) for flag, of, end, days in rows}
+
+        assert await shown() == (
+            {
+                ("listener", "proxy"): ends["proxy"].timestamp(),
+                ("listener", "admin"): ends["admin"].timestamp(),
+                ("route", "ledger"): ends["ledger"].timestamp(),
+            },
+            {
+                "listener proxy": (iso(ends["proxy"]), "5", True),
+                "listener admin": (iso(ends["admin"]), "200", False),
+                "route ledger": (iso(ends["ledger"]), "30", False),
+            },
+        )
+        ends["proxy"] = days_from_now(90)  # renewed where it was, and reloaded
+        certs.server(not_after=ends["proxy"])
+        proxy.signal(signal.SIGHUP)
+        await eventually(lambda: "reloaded" in proxy.output())
+        samples, rows = await shown()
+        assert samples[("listener", "proxy")] == ends["proxy"].timestamp()
+        assert rows["listener proxy"] == (iso(ends["proxy"]), "90", False)
+
+
 # -- the upstreams -----------------------------------------------------------------
 
 
@@ -336,8 +514,8 @@ async def tls_upstream(
     each request's connection: the proxy's port and its certificate's subject."""
     client_ca = server.pop("client_ca", None)
     cert, key = certs.server(name, **server)
-    context = server_context(
-        ServerTLS(str(cert), str(key), client_ca and str(client_ca), client_ca is not None)
+    context = server_context(  # whatever its dates: the proxy is what is tested
+        ServerTLS(str(cert), str(key), client_ca and str(client_ca), client_ca is not None, True)
     )
     seen: list[tuple[int, dict[str, str]]] = []
 
@@ -568,13 +746,7 @@ async def test_postgresql_that_cannot_be_verified_or_reached_in_clear_stops_the_
     (tmp_path / "pg").mkdir()
     shutil.copy(Certificates(tmp_path / "other").ca_file, tmp_path / "pg" / "other-ca.pem")
     config = write_config(tmp_path, upstream.url, store=f"{server.url()}?{query}")
-    proxy = ProxyProcess(config, free_port())
-    try:
-        with pytest.raises(RuntimeError) as stopped:
-            await proxy.start()
-        assert why in str(stopped.value)
-    finally:
-        await proxy.stop()
+    assert why in await refused_start(config)
 
 
 # -- what is refused before anything is served ---------------------------------------

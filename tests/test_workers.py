@@ -4,19 +4,25 @@ PostgreSQL store, reloaded, stopped and killed with real signals."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from fenceproxy.config import parse_config
-from fenceproxy.errors import ConfigError
+from fenceproxy.errors import PROBLEM_BASE, ConfigError
+from fenceproxy.fence.tokens import generate_key
 from fenceproxy.server.workers import merge_metrics
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
+
+from .test_tls import eventually_async
 
 # Connections opened one after another land on one worker or the other as the
 # kernel hashes them; this many leave each worker unvisited with odds of 2^-39.
@@ -25,10 +31,18 @@ CONNECTIONS = 40
 pytestmark = pytest.mark.slow
 
 
-def write_config(path: Path, database: str, upstream: RecordingUpstream, prefix: str) -> None:
+def write_config(
+    path: Path,
+    database: str,
+    upstream: RecordingUpstream,
+    prefix: str,
+    workers: int = 2,
+    **top: Any,
+) -> None:
     path.write_text(
-        f"store: '{database}?pool=2'\nworkers: 2\nleases: {{}}\nshutdown_timeout: 5s\n"
+        f"store: '{database}?pool=2'\nworkers: {workers}\nleases: {{}}\nshutdown_timeout: 5s\n"
         f"routes:\n  - {{name: billing, path: {prefix}, upstream: '{upstream.url}'}}\n"
+        + (yaml.safe_dump(top) if top else "")
     )
 
 
@@ -198,3 +212,107 @@ def test_merged_metrics_label_every_sample_with_its_worker() -> None:
     assert merged.count("# TYPE fenceproxy_decisions_total counter") == 1
     assert 'fenceproxy_decisions_total{outcome="forwarded",route="a",worker="0"} 3.0' in merged
     assert 'fenceproxy_decisions_total{outcome="forwarded",route="a",worker="1"} 4.0' in merged
+
+
+# -- the admin listener, served by the process or by the supervisor -------------------
+
+BROWSERS = {
+    "fetch-metadata": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"},
+    "origin": {"Origin": "http://evil.example"},
+}
+READS = ("/", "/jobs", "/events", "/metrics", "/page/feed")
+
+
+@pytest.fixture(params=[1, 2], ids=["one-process", "supervisor"])
+def workers(request: pytest.FixtureRequest) -> int:
+    """``workers: 1`` (the process serves its admin listener) or ``workers: 2`` (the
+    supervisor serves it for its workers): what an operator relies on of the listener
+    holds of both."""
+    value: int = request.param
+    return value
+
+
+@pytest.fixture
+async def serving(
+    tmp_path: Path, database: str, upstream: RecordingUpstream, workers: int
+) -> AsyncIterator[tuple[ProxyProcess, Path]]:
+    """A proxy process with ``workers``, and its config file (start it yourself)."""
+    config = tmp_path / "fenceproxy.yaml"
+    write_config(config, database, upstream, "/billing", workers)
+    process = ProxyProcess(config, free_port())
+    yield process, config
+    print(process.output())  # shown when a test fails
+    await process.stop()
+
+
+async def test_a_browser_sent_to_the_admin_listener_under_another_name_reads_nothing(
+    serving: tuple[ProxyProcess, Path],
+) -> None:
+    """DNS rebinding: a page at evil.example points its own name at the admin listener,
+    and the browser's requests come with that name as their Host. They are refused
+    (421) whether one process or a supervisor serves the listener, and answered under
+    the listener's own name; the page keeps its Content-Security-Policy either way."""
+    process = await serving[0].start()
+    own = process.admin_url.removeprefix("http://")
+    answers: dict[tuple[str, str, str], tuple[int, str]] = {}
+    async with aiohttp.ClientSession() as http:
+        for path in READS:
+            for host in ("evil.example", "evil.example:80", own):
+                for kind, fields in BROWSERS.items():
+                    headers = {"Host": host, **fields}
+                    async with http.get(process.admin_url + path, headers=headers) as response:
+                        body = await response.read()
+                        problem = response.status >= 400 and json.loads(body)["type"]
+                        answers[path, host, kind] = response.status, problem or ""
+        async with http.get(process.admin_url + "/", headers={"Host": own}) as page:
+            assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
+            assert page.headers["X-Content-Type-Options"] == "nosniff"
+        async with http.post(process.admin_url + "/jobs") as posted:
+            assert posted.status == 404  # the listener reads; nothing is posted to it
+    refused = (421, PROBLEM_BASE + "misdirected-request")
+    assert answers == {
+        (path, host, kind): (200, "") if host == own else refused
+        for path in READS
+        for host in ("evil.example", "evil.example:80", own)
+        for kind in BROWSERS
+    }
+
+
+async def test_the_admin_listener_takes_its_credentials_again_on_sighup(
+    serving: tuple[ProxyProcess, Path],
+    database: str,
+    upstream: RecordingUpstream,
+    workers: int,
+    tmp_path: Path,
+) -> None:
+    """An operator revokes an admin credential, or closes the probes, by editing the
+    file and sending SIGHUP: the listener follows, whether one process or a
+    supervisor serves it."""
+    process, config = serving
+    old, new = generate_key(), generate_key()
+    clients = {}
+    for secret in (old, new):
+        (tmp_path / secret[:8]).write_text(secret)
+        clients[secret] = [{"name": "ops", "file": str(tmp_path / secret[:8])}]
+    write_config(config, database, upstream, "/billing", workers, admin_clients=clients[old])
+    await process.start()
+
+    async with aiohttp.ClientSession() as http:
+
+        async def status(path: str, secret: str | None) -> int:
+            headers = {} if secret is None else {"Authorization": f"Bearer {secret}"}
+            async with http.get(process.admin_url + path, headers=headers) as response:
+                return response.status
+
+        assert [await status("/jobs", old), await status("/jobs", None)] == [200, 401]
+        assert await status("/healthz", None) == 200
+        write_config(config, database, upstream, "/billing", workers,
+                     admin_clients=clients[new], admin_probes="closed")  # fmt: skip
+        process.signal(signal.SIGHUP)
+
+        async def revoked() -> bool:
+            return await status("/jobs", old) == 401
+
+        await eventually_async(revoked)
+        assert await status("/jobs", new) == 200
+        assert [await status("/healthz", None), await status("/healthz", new)] == [401, 200]

@@ -51,7 +51,7 @@ from .metrics import Metrics
 from .page import add_page
 from .recent import KEPT
 
-__all__ = ["admin_app", "authenticate"]
+__all__ = ["admin_app", "guard"]
 
 _MAX_PAGE = 1000
 
@@ -133,13 +133,7 @@ def admin_app(
     @web.middleware
     async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            authenticate(request, credentials(), config().admin_probes == "open")
-            if _from_a_browser(request) and not _own_name(request.host, config().admin):
-                raise MisdirectedRequest(
-                    f"this admin listener answers browsers at an IP address, localhost or "
-                    f"{socket.gethostname()}, not at {request.host!r}: a page elsewhere "
-                    "may have pointed that name here (DNS rebinding)"
-                )
+            guard(request, config(), credentials())
             response: web.StreamResponse = await handler(request)
         except Refusal as refusal:  # a job id that is not one, say
             return problem_response(refusal)
@@ -148,7 +142,7 @@ def admin_app(
         return response
 
     app = web.Application(middlewares=[refusals])
-    add_page(app, config, store, metrics.recent)
+    add_page(app, config, store, metrics.recent, lambda: metrics.certificates)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_page)
@@ -233,7 +227,22 @@ def _job_json(view: JobView) -> dict[str, Any]:
 _PROBES = frozenset({"/healthz", "/readyz"})
 
 
-def authenticate(
+def guard(request: web.Request, config: Config, credentials: LeaseCredentials | None) -> None:
+    """What an admin listener refuses before it answers, the same whether the process
+    serves it or a supervisor does for its workers: AdminUnauthenticated (401) without
+    one of ``credentials`` (the probes open with ``admin_probes: open``), then
+    MisdirectedRequest (421) for a browser's request under a name not this listener's
+    (DNS rebinding)."""
+    _authenticate(request, credentials, config.admin_probes == "open")
+    if _from_a_browser(request) and not _own_name(request.host, config.admin):
+        raise MisdirectedRequest(
+            f"this admin listener answers browsers at an IP address, localhost or "
+            f"{socket.gethostname()}, not at {request.host!r}: a page elsewhere "
+            "may have pointed that name here (DNS rebinding)"
+        )
+
+
+def _authenticate(
     request: web.Request, credentials: LeaseCredentials | None, open_probes: bool
 ) -> None:
     """AdminUnauthenticated unless the request carries one of ``credentials`` (none

@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 
 from .._version import __version__
+from ..config import Presented
 from ..store.base import StoreServer
 from .recent import Recent
 
@@ -74,6 +75,10 @@ class Metrics:
         )
         self.store = _StoreMetrics()
         r.register(self.store)
+        self.certificates: tuple[Presented, ...] = ()
+        """The certificates the proxy presents, as loaded at start and on each reload:
+        their ends, for the gauge and the operator page."""
+        r.register(_CertificateEnds(lambda: self.certificates))
 
     def decided(self, route: str, outcome: str) -> None:
         key = (route, outcome)
@@ -186,3 +191,26 @@ class _StoreMetrics:
         )
         primary.add_metric([server.address], 1)
         yield primary
+
+
+class _CertificateEnds:
+    """``fenceproxy_tls_certificate_expiry_timestamp_seconds``: each certificate the
+    proxy presents, labelled ``listener`` (proxy, admin) or ``route`` (its name)."""
+
+    def __init__(self, certificates: Callable[[], tuple[Presented, ...]]) -> None:
+        self._certificates = certificates
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        ends = GaugeMetricFamily(
+            "fenceproxy_tls_certificate_expiry_timestamp_seconds",
+            "When a certificate the proxy presents expires (its notAfter, a Unix time), "
+            "by listener (proxy, admin) or by route (its client certificate)",
+        )
+        for presented in self._certificates():
+            ends.add_sample(
+                ends.name, {presented.label: presented.name}, presented.certificate.not_after
+            )
+        yield ends

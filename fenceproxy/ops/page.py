@@ -3,7 +3,8 @@ little plain JavaScript (``static/page.js``, no build step, nothing from elsewhe
 
 It shows the decisions of this proxy as they happen (the script asks for the rows
 after the last it has, once a second), the refusals by kind over the last minute, 5
-and 15 minutes, the routes of the running config and their upstreams, and, for the
+and 15 minutes, the routes of the running config and their upstreams, the
+certificates it presents and when each ends (flagged within 14 days), and, for the
 job entered, what the store holds of it now and its timeline: the claims, renewals,
 completions and releases (the generations and their holders) and the writes with
 their decisions, as this proxy saw them (:mod:`fenceproxy.ops.recent`).
@@ -24,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from .._version import __version__
-from ..config import Config
+from ..config import Config, Presented
 from ..errors import Refusal, StoreError
 from ..fence.fencing import parse_job
 from ..store import Store
@@ -54,8 +55,10 @@ def add_page(
     config: Callable[[], Config],
     store: Callable[[], Store],
     recent: Recent,
+    certificates: Callable[[], Iterable[Presented]],
 ) -> None:
-    """Serve the page (``/``), its updates (``/page/feed``) and its two files."""
+    """Serve the page (``/``), its updates (``/page/feed``) and its two files;
+    ``certificates`` gives those the proxy presents, as last loaded."""
     static = {
         name: (files(__package__).joinpath("static", name).read_bytes(), kind)
         for name, kind in _STATIC.items()
@@ -73,6 +76,7 @@ def add_page(
             events=_event_rows(reversed(recent.after(0, limit=_SHOWN)), with_job=True),
             job=job_html,
             routes=_route_rows(config()),
+            certificates=_certificate_rows(certificates(), time.time()),
         )
         return web.Response(text=html, content_type="text/html", headers=_HEADERS)
 
@@ -233,6 +237,30 @@ def _route_rows(config: Config) -> str:
     return "".join(out)
 
 
+def _certificate_rows(certificates: Iterable[Presented], now: float) -> str:
+    """A row a certificate: whose, its file and subject, its end and the whole days
+    left, and what clients will make of it, flagged (``ending``) when expired, not yet
+    valid or within :data:`~fenceproxy.tls.ENDING` of its end."""
+    out = []
+    for each in certificates:
+        cert = each.certificate
+        concern = cert.concern(now)
+        cells = (
+            f"{each.label} {each.name}",
+            cert.file,
+            cert.subject,
+            _when(cert.not_after),
+            cert.days_left(now),
+            concern or "",
+        )
+        flag = "" if concern is None else ' class="ending"'
+        out.append(f"<tr{flag}>{''.join(_cell(v) for v in cells)}</tr>")
+    return "".join(out) or _NO_CERTIFICATE
+
+
+_NO_CERTIFICATE = '<tr class="empty"><td colspan="6">none: nothing here presents one</td></tr>'
+
+
 def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}"
 
@@ -286,6 +314,11 @@ _PAGE = """<!doctype html>
 <h2>Routes</h2>
 <table><thead><tr><th>name</th><th>path</th><th>upstream</th><th>fenced methods</th>
 <th>timeout</th><th>max body</th></tr></thead><tbody id="routes">{routes}</tbody></table>
+</section>
+<section>
+<h2>Certificates</h2>
+<table><thead><tr><th>of</th><th>file</th><th>subject</th><th>ends (UTC)</th>
+<th>days left</th><th></th></tr></thead><tbody id="certificates">{certificates}</tbody></table>
 </section>
 </main>
 </body>

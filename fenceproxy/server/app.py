@@ -21,7 +21,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -29,11 +29,16 @@ from aiohttp import web
 
 from ..config import (
     Config,
+    Presented,
+    Reader,
     TlsContexts,
     admin_credentials,
     is_loopback,
     lease_credentials,
     parse_listen,
+    presented,
+    restart_only,
+    setting,
     signing_keys,
     tls_contexts,
 )
@@ -56,21 +61,9 @@ from .proxy import Proxy, ProxySettings
 from .turn import JobLocks
 from .workers import Seat
 
-__all__ = ["RESTART_ONLY", "FenceProxy", "notify_systemd", "serve"]
+__all__ = ["FenceProxy", "notify_systemd", "serve"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-RESTART_ONLY = (
-    "listen",
-    "tls",
-    "admin",
-    "admin_tls",
-    "store",
-    "workers",
-    "idempotency.ttl",
-    "shutdown_timeout",
-    "limits.body_temp_path",
-)
-"""What a reload cannot change: where it listens, what it keeps its state in."""
 
 
 class FenceProxy:
@@ -112,12 +105,7 @@ class FenceProxy:
     def restart_only(self, config: Config) -> dict[str, Any]:
         """What ``config`` changes that only a restart can: each dotted key (``store``,
         ``idempotency.ttl``, ...) with its running value, to keep on a reload."""
-        kept = {}
-        for name in RESTART_ONLY:
-            running = _setting(self.config, name)
-            if _setting(config, name) != running:
-                kept[name] = False if running is None else running  # admin: false
-        return kept
+        return restart_only(self.config, config)
 
     def reconfigure(self, config: Config) -> None:
         """Serve ``config`` from the next request on (a reload), without dropping one
@@ -146,6 +134,7 @@ class FenceProxy:
             if config.leases is not None
             else None
         )
+        certificates = presented(config, "config")
         if self._tls is None:
             tls = tls_contexts(config, "config")
         else:
@@ -153,6 +142,7 @@ class FenceProxy:
             _reload_certificates(tls, config)  # the last that can fail: all or none
         self.config = config
         self._tls = tls
+        self.metrics.certificates = certificates
         self.admin_clients = admin_clients
         self._router = router
         self._keys = keys
@@ -408,6 +398,8 @@ async def serve(
     _return_freed_memory()
     max_connections = _connection_cap(config.limits.max_connections)
     async with FenceProxy(config) as proxy:
+        if seat is None or seat.index == 0:
+            _warn_certificates(proxy.metrics.certificates)
         listener = Listener(
             proxy.server(access_log=access_log, max_connections=max_connections),
             config.shutdown_timeout,
@@ -434,10 +426,6 @@ async def serve(
             await listener.close()
 
 
-Reader = Callable[[Mapping[str, Any] | None], Config]
-"""Reads the config file again, keeping the given dotted keys' values."""
-
-
 def _reload(proxy: FenceProxy, source: str, read: Reader) -> None:
     """Read the config again and serve it from the next request on; one line says
     what happened. A file that is not valid, alone or with what takes a restart kept
@@ -459,6 +447,7 @@ def _reload(proxy: FenceProxy, source: str, read: Reader) -> None:
         return
     configure_logging(config.log_format, config.log_levels)
     _warn_open_lease_api(config)
+    _warn_certificates(proxy.metrics.certificates)
     if kept:
         server_log.warning(
             "reloaded %s: %d route(s); not changed until a restart: %s",
@@ -481,6 +470,16 @@ def _warn_unverified_upstreams(config: Config) -> None:
             )
 
 
+def _warn_certificates(certificates: Iterable[Presented]) -> None:
+    """A line for each certificate clients will refuse, now or within
+    :data:`~fenceproxy.tls.ENDING` (one expired is served only with allow_expired)."""
+    now = time.time()
+    for each in certificates:
+        cert = each.certificate
+        if (concern := cert.concern(now)) is not None:
+            server_log.warning("%s %s (%s) %s", each, cert.file, cert.subject, concern)
+
+
 def _warn_open_lease_api(config: Config) -> None:
     host = parse_listen(config.listen)[0]
     if config.leases is not None and not config.leases.clients and not is_loopback(host):
@@ -491,15 +490,8 @@ def _warn_open_lease_api(config: Config) -> None:
         )
 
 
-def _setting(config: Config, name: str) -> Any:
-    value: Any = config
-    for part in name.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _shown(config: Config, name: str) -> str:
-    value = _setting(config, name)
+    value = setting(config, name)
     if name == "store":
         return parse_store_url(value).describe()
     if isinstance(value, float):  # a duration

@@ -12,15 +12,18 @@ The supervisor:
 * is ready (and tells systemd so) once every worker listens; a worker that cannot
   start (its port or store) ends the start, with its own error printed;
 * passes SIGHUP on to every worker, each of which reloads the config file itself,
-  and loads its admin listener's certificate again;
+  and reads the file again for its admin listener's credentials (``admin_clients``,
+  ``admin_probes``) and certificate;
 * on SIGTERM or SIGINT passes SIGTERM on and waits for every worker to drain (each
   within ``shutdown_timeout``), then exits;
 * starts a worker that died again (a second later if it died within
   ``_QUICK_DEATH`` of starting), so the port keeps its N processes;
-* serves the admin listener: ``/metrics`` is every worker's, each sample labelled
-  ``worker="i"``; ``/healthz`` and ``/readyz`` answer 200 only when every worker
-  does; everything else (the page, ``/jobs``, ``/events``) is worker 0's, whose
-  views of the store are every worker's, and ``?worker=i`` asks another.
+* serves the admin listener, refusing what a worker's own would
+  (:func:`fenceproxy.ops.admin.guard`): ``/metrics`` is every worker's, each sample
+  labelled ``worker="i"``; ``/healthz`` and ``/readyz`` answer 200 only when every
+  worker does; everything else (the page, ``/jobs``, ``/events``) is worker 0's,
+  whose views of the store are every worker's, its answer relayed with its fields,
+  and ``?worker=i`` asks another.
 
 A worker dies with its supervisor (``PR_SET_PDEATHSIG``): a supervisor killed with
 ``kill -9`` leaves no worker holding the port.
@@ -32,7 +35,6 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import os
 import shutil
 import signal
@@ -46,16 +48,17 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..config import Config, admin_credentials, parse_listen, tls_contexts
+from ..config import Config, Reader, admin_credentials, parse_listen, restart_only, tls_contexts
 from ..errors import ConfigError, ListenError, ProxyBusy, Refusal, RequestMalformed
-from ..http.edge import PROBLEM_JSON, problem_response
+from ..http.edge import problem_response
 from ..leases.auth import LeaseCredentials
 from ..log import server_log
-from ..ops.admin import authenticate
+from ..ops.admin import guard
 from ..tls import reload_server
 
 __all__ = ["Seat", "merge_metrics", "supervise", "worker_argv"]
@@ -66,6 +69,11 @@ _QUICK_DEATH = 5.0
 _PR_SET_PDEATHSIG = 1
 # How long the supervisor waits for a worker's admin answer.
 _ASK_TIMEOUT = 10.0
+_OWN_FIELDS = frozenset(
+    {"connection", "content-length", "date", "keep-alive", "server", "transfer-encoding"}
+)
+"""A worker's answer's fields that were its connection's: the supervisor's own
+connection sets its own."""
 
 
 @dataclass(frozen=True)
@@ -128,15 +136,23 @@ class _Worker:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signum)
 
-    async def ask(self, path: str) -> tuple[int, bytes, str]:
-        """GET ``path`` of its admin application: status, body, content type."""
+    async def ask(self, path: str, method: str = "GET") -> web.Response:
+        """``method`` ``path`` of its admin application: its answer, with its fields
+        (the page's Content-Security-Policy, a problem's Retry-After) but those of
+        the connection it came on."""
         if self.session is None or self.session.closed:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=self.socket),
                 timeout=aiohttp.ClientTimeout(total=_ASK_TIMEOUT),
             )
-        async with self.session.get(f"http://worker{path}") as answer:
-            return answer.status, await answer.read(), answer.headers.get("Content-Type", "")
+        async with self.session.request(method, f"http://worker{path}") as answer:
+            body = await answer.read()
+            fields = CIMultiDict(
+                (name, value)
+                for name, value in answer.headers.items()
+                if name.lower() not in _OWN_FIELDS
+            )
+            return web.Response(status=answer.status, body=body, headers=fields)
 
     async def close(self) -> None:
         if self.session is not None:
@@ -151,10 +167,13 @@ def _die_with_parent() -> None:
             ctypes.CDLL(libc_name).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], object]) -> int:
+async def supervise(
+    config: Config, argv: Sequence[str], ready: Callable[[], object], read: Reader
+) -> int:
     """Run ``config.workers`` workers, each ``argv`` (the command that started this
     process) with a seat, until SIGTERM or SIGINT; the exit code: 0 when every worker
-    stopped cleanly, 2 when one could not start."""
+    stopped cleanly, 2 when one could not start. ``read`` reads the config file
+    again, on SIGHUP."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -162,23 +181,30 @@ async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], obj
     folder = Path(tempfile.mkdtemp(prefix="fenceproxy-workers-"))
     workers = [_Worker(i, argv, folder) for i in range(config.workers)]
     admin_tls = tls_contexts(config, "config").admin
-    credentials = [admin_credentials(config, "config")]
+    running = [(config, admin_credentials(config, "config"))]
 
     def hup() -> None:
         for worker in workers:
             worker.signal(signal.SIGHUP)
-        # The admin listener's certificate and credential files, renewed where they are
-        # (the config itself is the workers' to read again: other admin keys take a
-        # restart).
+        # The admin listener's credentials and admin_probes as a worker reloading the
+        # same file takes them, and its certificate renewed where it is (admin and
+        # admin_tls take a restart); a file the workers refuse changes none of them.
+        try:
+            fresh = read(None)
+            kept = restart_only(config, fresh)
+            fresh = read(kept) if kept else fresh
+            running[0] = (fresh, admin_credentials(fresh, "config"))
+        except ConfigError as exc:
+            server_log.error(
+                "the admin listener keeps its credentials and certificate: %s",
+                "; ".join(exc.lines),
+            )
+            return
         if admin_tls is not None and config.admin_tls is not None:
             try:
                 reload_server(admin_tls, config.admin_tls.server())
             except ValueError as exc:
                 server_log.error("admin_tls: %s; the admin listener keeps its certificate", exc)
-        try:
-            credentials[0] = admin_credentials(config, "config")
-        except ConfigError as exc:
-            server_log.error("%s; the admin listener keeps its credentials", exc)
 
     loop.add_signal_handler(signal.SIGHUP, hup)
     admin: web.AppRunner | None = None
@@ -188,7 +214,7 @@ async def supervise(config: Config, argv: Sequence[str], ready: Callable[[], obj
             server_log.error("a worker could not start; stopping the others")
             return 2
         if config.admin is not None:
-            app = _admin_app(workers, lambda: credentials[0], config.admin_probes)
+            app = _admin_app(workers, lambda: running[0])
             admin = web.AppRunner(app, access_log=None, handle_signals=False)
             await admin.setup()
             host, port = parse_listen(config.admin)
@@ -282,11 +308,14 @@ class _Fixed:
 
 
 def _admin_app(
-    workers: list[_Worker], credentials: Callable[[], LeaseCredentials | None], probes: str
+    workers: list[_Worker], running: Callable[[], tuple[Config, LeaseCredentials | None]]
 ) -> web.Application:
+    """The supervisor's admin listener; ``running`` gives the config and credentials
+    it refuses by (:func:`~fenceproxy.ops.admin.guard`, as a worker's own would)."""
+
     async def metrics(request: web.Request) -> web.StreamResponse:
         answers = await asyncio.gather(*(w.ask("/metrics") for w in workers))
-        pages = [(w.index, body.decode()) for w, (_, body, _) in zip(workers, answers, strict=True)]
+        pages = [(w.index, a.text or "") for w, a in zip(workers, answers, strict=True)]
         return web.Response(
             body=merge_metrics(pages), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
@@ -295,8 +324,7 @@ def _admin_app(
         """200 when every worker answers 200: worker 0's answer; else the first other."""
         path = request.path_qs
         answers = await asyncio.gather(*(_ask(w, path) for w in workers))
-        chosen = next(((s, b, t) for s, b, t in answers if s != 200), answers[0])
-        return _answer(*chosen)
+        return next((a for a in answers if a.status != 200), answers[0])
 
     async def one(request: web.Request) -> web.StreamResponse:
         query = request.rel_url.query
@@ -308,12 +336,14 @@ def _admin_app(
         rest = query.copy()
         rest.popall("worker", None)
         path = request.rel_url.with_query(rest)
-        return _answer(*await _ask(workers[int(which)], str(path)))
+        # A HEAD asked as a GET: this server gives its head, the body's length and all.
+        method = "GET" if request.method == "HEAD" else request.method
+        return await _ask(workers[int(which)], str(path), method)
 
     @web.middleware
     async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            authenticate(request, credentials(), probes == "open")
+            guard(request, *running())
         except Refusal as refusal:
             return problem_response(refusal)
         response: web.StreamResponse = await handler(request)
@@ -327,23 +357,17 @@ def _admin_app(
     return app
 
 
-async def _ask(worker: _Worker, path: str) -> tuple[int, bytes, str]:
+async def _ask(worker: _Worker, path: str, method: str = "GET") -> web.Response:
     try:
-        return await worker.ask(path)
+        return await worker.ask(path, method)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        busy = ProxyBusy(
-            f"worker {worker.index} does not answer ({exc or type(exc).__name__}): it is "
-            "starting or stopping",
-            retry_after=1.0,
+        return problem_response(
+            ProxyBusy(
+                f"worker {worker.index} does not answer ({exc or type(exc).__name__}): it "
+                "is starting or stopping",
+                retry_after=1.0,
+            )
         )
-        return busy.status, json.dumps(busy.problem()).encode(), PROBLEM_JSON
-
-
-def _answer(status: int, body: bytes, content_type: str) -> web.Response:
-    response = web.Response(status=status, body=body, headers={"Content-Type": content_type})
-    if status == 503:
-        response.headers["Retry-After"] = "1"
-    return response
 
 
 def worker_argv(args: Sequence[str]) -> list[str]:
