@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import io
 import signal
+import socket
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from fenceproxy.store import open_store
 from fenceproxy.testing import (
     FakeClock,
     ProxyProcess,
@@ -187,3 +190,41 @@ async def test_an_answer_trickled_past_the_timeout_does_not_hold_the_job(
     upstream.respond = status(200)
     assert (await fenced(proxy, "job-3", 2, key="k-2")).status == 200
     assert [r.generation for r in upstream.received] == [1, 2]
+
+
+async def test_a_write_whose_client_left_is_cut_and_held_when_the_proxy_stops(
+    start_proxy: ProxyFactory, slow: SlowUpstream, clock: FakeClock, store_url: str
+) -> None:
+    """A client sent a write and left while its body was still going to the upstream;
+    then the proxy stops. After its drain time the write is cut, so no more of it
+    reaches the upstream, and before the store closes the job's record is marked
+    unknown, held for the quarantine: whoever uses the store next waits for a write
+    the upstream may still have."""
+    proxy = await start_proxy(slow_route(slow, timeout="60s"), shutdown_timeout="300ms")
+    _, client = await asyncio.open_connection("127.0.0.1", proxy.port)
+    size = 3 * MiB
+    client.write(
+        b"POST /uploads/d HTTP/1.1\r\nHost: api\r\nFencing-Job: job-4\r\nFencing-Token: 1\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (size, b"d" * size)
+    )
+    await client.drain()
+    await eventually(lambda: len(slow.receiving) == 1)
+    # Read whole already, the write goes on without its client, which resets its
+    # connection (a close would leave it half open, its answer still owed).
+    client.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+    )
+    client.transport.abort()
+    plane = proxy.server.runner.server  # type: ignore[union-attr]
+    await eventually(lambda: plane.open_connections == 0)
+    await proxy.close()
+    await settled(slow, 1)
+    assert slow.applied == []
+    assert [a.generation for a in slow.cut] == [1]
+    store = await open_store(store_url, key_ttl=60, clock=clock)
+    try:
+        record = (await store.inspect("job-4")).in_flight
+    finally:
+        await store.close()
+    assert record is not None
+    assert record[1] == "unknown"

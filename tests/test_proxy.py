@@ -11,9 +11,10 @@ from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
 from fenceproxy.errors import PROBLEM_BASE
+from fenceproxy.fence.fencing import Admit, FencedWrite
 from fenceproxy.testing import FakeClock, RecordingUpstream, drop_connection, free_port, status
 
-from .conftest import ProxyFactory, fenced, raw_request, store_of
+from .conftest import ProxyFactory, admit, fenced, raw_request, store_of
 
 Client = TestClient[Any, Any]
 
@@ -661,3 +662,54 @@ async def test_another_caller_while_the_key_is_in_flight_gets_422_not_409(
     release()
     assert (await first).status == 200
     assert len(upstream.received) == 1
+
+
+async def test_a_write_that_waits_out_its_timeout_behind_another_of_its_job_is_503(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Behind another proxy's write of the job (its in-flight record in the store), or
+    behind this proxy's own write held at the upstream: once the route's timeout is
+    waited out, 503 `job-quarantined` with Retry-After, and nothing is forwarded. A
+    client retries then; a 500 would tell it nothing."""
+    proxy = await start_proxy(
+        [{"name": "billing", "path": "/billing/", "upstream": upstream.url, "timeout": "300ms"},
+         {"name": "slow", "path": "/slow/", "upstream": upstream.url, "timeout": "30s"}]
+    )  # fmt: skip
+    elsewhere = FencedWrite("billing", "a", 1, hold=30)
+    assert isinstance(await admit(store_of(proxy), elsewhere), Admit)
+    refused = await fenced(proxy, "a", 1)
+    assert (await problem(refused, 503, "job-quarantined"))["job"] == "a"
+    assert refused.headers["Retry-After"] == "30"  # when that record ends
+    release = upstream.hold()
+    try:
+        first = asyncio.ensure_future(fenced(proxy, "b", 1, path="/slow/charges"))
+        await upstream.wait_for(1)
+        refused = await fenced(proxy, "b", 2)
+    finally:
+        release()
+    assert (await first).status == 200
+    assert (await problem(refused, 503, "job-quarantined"))["job"] == "b"
+    assert refused.headers["Retry-After"] == "1"
+    assert [(r.job, r.generation) for r in upstream.received] == [("b", 1)]
+
+
+async def test_a_writes_record_holds_its_job_for_its_timeouts_quarantine_and_one_second(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, clock: FakeClock
+) -> None:
+    """As the configuration reference says: an admitted write's in-flight record holds
+    its job `connect_timeout` + `timeout` + `quarantine` + 1 s on the store's clock."""
+    proxy = await start_proxy(
+        [{"name": "billing", "path": "/billing/", "upstream": upstream.url,
+          "connect_timeout": "1s", "timeout": "3s", "quarantine": "7s"}]
+    )  # fmt: skip
+    release = upstream.hold()
+    writing = asyncio.ensure_future(fenced(proxy, "j", 1))
+    await upstream.wait_for(1)
+    try:
+        view = await store_of(proxy).inspect("j")
+    finally:
+        release()
+    assert (await writing).status == 200
+    assert view.in_flight is not None
+    assert view.in_flight[2] == clock.now + 1 + 3 + 7 + 1
+    assert (await store_of(proxy).inspect("j")).in_flight is None

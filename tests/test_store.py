@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import random
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import closing
 from pathlib import Path
@@ -28,6 +29,7 @@ from fenceproxy.fence.fencing import (
 )
 from fenceproxy.leases import model as leasing
 from fenceproxy.leases.model import Lease
+from fenceproxy.ops.metrics import Metrics
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.store import postgres as postgres_store
 from fenceproxy.store import sqlite as sqlite_store
@@ -35,6 +37,7 @@ from fenceproxy.testing import FakeClock
 
 from .conftest import admit
 from .postgres import PostgresServer, sql
+from .test_admin import samples
 
 pytestmark = pytest.mark.both_stores
 
@@ -800,3 +803,57 @@ async def test_a_renewal_does_not_move_when_the_generation_was_set(
     assert renewed.lease_until == clock.now + 5.0  # the renewal did land
     view = await store.inspect("j")
     assert (view.generation, view.generation_set_at) == (1, claimed_at)
+
+
+# -- one batch, and what it reports ---------------------------------------------------
+
+
+async def test_a_late_write_sent_with_the_claim_that_superseded_it_is_refused(
+    store: Store, clock: FakeClock
+) -> None:
+    """Generation 3's holder, paused past its lease, writes just as another worker
+    claims the job, both at once. On SQLite they share one batch, the claim first: the
+    write is decided on the fence the claim raised in that batch, not on the one
+    committed before it. On PostgreSQL a claim is a transaction of its own, and they
+    commit in either order: a write admitted first holds the claim back. Either way
+    the old holder's write never goes behind a granted claim, and the fence ends at 4."""
+    elsewhere = FencedWrite("r", "j", 2)  # a generation from elsewhere: the fence is at 2
+    assert isinstance(await admit(store, elsewhere), Admit)
+    await store.end_turn(elsewhere)
+    first, _ = await store.change_lease("j", _claim("j", "a"))
+    assert isinstance(first, Lease)
+    assert first.generation == 3
+    clock.advance(6)  # a's lease (5 s) has run out
+    batches: list[int] = []
+    store.on_commit = lambda seconds, operations: batches.append(operations)
+    (claimed, _), late = await asyncio.gather(
+        store.change_lease("j", _claim("j", "b")), admit(store, FencedWrite("r", "j", 3))
+    )
+    if isinstance(store, SQLiteStore):
+        assert batches == [2]  # one batch
+        assert isinstance(late, StaleGeneration)
+    if isinstance(late, Admit):
+        assert isinstance(claimed, WriteInFlight)
+    else:
+        assert isinstance(late, StaleGeneration)
+        assert isinstance(claimed, Lease)
+        assert claimed.generation == 4
+    assert await store.generation("j") == 4
+    assert isinstance(await admit(store, FencedWrite("r", "j", 3)), StaleGeneration)
+
+
+async def test_each_batch_is_reported_with_its_time_and_its_size(store: Store) -> None:
+    """What the store commit metrics show an operator: one sample per batch, with the
+    time its commit took and how many operations shared it."""
+    metrics = Metrics()
+    store.on_commit = metrics.committed
+    writes = [FencedWrite("r", f"m{n}", 1) for n in range(5)]
+    started = time.monotonic()
+    decisions = await asyncio.gather(*(admit(store, w) for w in writes))
+    took = time.monotonic() - started
+    assert all(isinstance(d, Admit) for d in decisions)
+    got = samples(metrics.render().decode())
+    assert got[("fenceproxy_store_batch_operations_count", ())] == 1
+    assert got[("fenceproxy_store_batch_operations_sum", ())] == 5
+    assert got[("fenceproxy_store_commit_seconds_count", ())] == 1
+    assert 0 < got[("fenceproxy_store_commit_seconds_sum", ())] <= took

@@ -11,6 +11,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from fenceproxy.config import FenceSpec, RouteSpec
 from fenceproxy.errors import (
+    FencingHeaderMalformed,
     FencingHeaderMissing,
     IdempotencyKeyMalformed,
     JobQuarantined,
@@ -42,9 +43,11 @@ ADMITTED_AT = 100.0
 HEADERS = (("Content-Type", "application/json"),)
 
 
-def read(method: str = "POST", route: Route = ROUTE, **headers: str) -> Reading:
+def read(
+    method: str = "POST", route: Route = ROUTE, path_job: str | None = None, **headers: str
+) -> Reading:
     fields = CIMultiDictProxy(CIMultiDict((n.replace("_", "-"), v) for n, v in headers.items()))
-    return read_write(route, method, fields, None, None)
+    return read_write(route, method, fields, path_job, None)
 
 
 def attempt(key: str | None = "k", route: Route = ROUTE) -> Attempt:
@@ -121,6 +124,23 @@ def test_the_methods_a_route_fences_are_its_own() -> None:
     )
     assert not read("POST", route, Fencing_Job="j", Fencing_Token="1").fenced
     assert read("PUT", route, Fencing_Job="j", Fencing_Token="1").fenced
+
+
+def test_a_job_header_on_a_route_with_the_job_in_its_path_must_name_the_same_job() -> None:
+    """The upstream may read the job from either: one naming another job than the path
+    is refused, so a write is never fenced as one job and applied as another."""
+    route = Route.compile(RouteSpec(name="o", path="/orders/{job}/", upstream="http://h"))
+    other = read("POST", route, "inv-7", Fencing_Job="inv-8", Fencing_Token="4")
+    assert isinstance(other.refusal, FencingHeaderMalformed)
+    assert other.refusal.extensions["header"] == "Fencing-Job"
+    assert other.write is None
+    for agreeing in (
+        read("POST", route, "inv-7", Fencing_Job="inv-7", Fencing_Token="4"),
+        read("POST", route, "inv-7", Fencing_Token="4"),
+    ):
+        assert agreeing.refusal is None
+        assert agreeing.write is not None
+        assert (agreeing.write.job, agreeing.write.generation) == ("inv-7", 4)
 
 
 # -- the attempt -----------------------------------------------------------------
@@ -202,6 +222,21 @@ def test_a_route_without_quarantine_still_cuts_a_write_in_doubt() -> None:
     a.send(ADMITTED_AT)
     ending = a.end(asyncio.CancelledError())
     assert (ending.unknown_for, ending.cut) == (0, True)
+
+
+def test_a_write_is_sent_only_within_one_second_of_its_admission() -> None:
+    """The slack between a write's admission and its send is one second, the same
+    second its in-flight record counts beyond the route's timeouts and quarantine."""
+    on_time = attempt()
+    on_time.send(ADMITTED_AT + 1.0)
+    assert on_time.state is State.SENDING
+    late = attempt()
+    with pytest.raises(JobQuarantined):
+        late.send(ADMITTED_AT + 1.01)
+    assert late.state is State.NOT_SENT
+    write = read(Fencing_Job="j", Fencing_Token="7").write
+    assert write is not None
+    assert write.hold == 1 + 3 + 7 + 1
 
 
 def test_a_write_stalled_past_the_slack_is_not_sent_and_given_back() -> None:
