@@ -290,6 +290,51 @@ async def test_fields_that_must_come_once_and_host_are_checked(
     )
 
 
+def get(target: bytes = b"/open/x", fields: tuple[bytes, ...] = ()) -> bytes:
+    """A GET of ``target`` with Host, ``fields`` and Connection: close."""
+    lines = (b"Host: a", *fields, b"Connection: close")
+    return b"GET " + target + b" HTTP/1.1\r\n" + b"".join(f + b"\r\n" for f in lines) + b"\r\n"
+
+
+def fields_of(total: int) -> tuple[bytes, ...]:
+    """Fields that, with Host and Connection, take ``total`` bytes of field lines."""
+    fields = [b"X-Pad-%d: " % n + b"p" * 8000 for n in range(8)]
+    left = total - len(b"Host: a\r\nConnection: close\r\n") - sum(len(f) + 2 for f in fields)
+    return (*fields, b"X-Last: " + b"p" * (left - len(b"X-Last: \r\n")))
+
+
+# The documented limits (docs/limits.md), each at its edge: the largest taken, then the
+# same one byte (or one field) more.
+HEAD_LIMITS = {
+    "a target of 8190 bytes": (
+        get(b"/open/" + b"t" * 8184), get(b"/open/" + b"t" * 8185)),
+    "a field value of 8190 bytes": (
+        get(fields=(b"X-Big: " + b"v" * 8190,)), get(fields=(b"X-Big: " + b"v" * 8191,))),
+    "100 fields": (
+        get(fields=tuple(b"X-%d: v" % n for n in range(98))),
+        get(fields=tuple(b"X-%d: v" % n for n in range(99)))),
+    "fields of 64 KiB in all": (get(fields=fields_of(65536)), get(fields=fields_of(65537))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("taken", "refused"), HEAD_LIMITS.values(), ids=HEAD_LIMITS)
+async def test_a_head_at_its_limit_is_taken_and_one_byte_or_field_more_is_431(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, taken: bytes, refused: bytes
+) -> None:
+    """A client may rely on the limits to the byte: a head at one is forwarded, and
+    one past it is refused before anything reaches the upstream."""
+    route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
+    proxy = await start_proxy([route])
+    assert (await raw_request(proxy.port, taken)).startswith(b"HTTP/1.1 200 ")
+    raw = await raw_request(proxy.port, refused)
+    assert raw.startswith(b"HTTP/1.0 431 "), raw[:200]
+    assert b"request-head-too-large" in raw
+    [received] = upstream.received
+    assert received.path_qs.encode() == taken.split(b" ")[1]
+    sent = [line.split(b":")[0].decode() for line in taken.split(b"\r\n") if line[:2] == b"X-"]
+    assert all(name in received.headers for name in sent)
+
+
 async def test_trailers_are_read_and_never_forwarded(
     raw_proxy: Client, raw_upstream: RawUpstream
 ) -> None:
@@ -428,10 +473,17 @@ async def test_an_http_10_request_with_transfer_encoding_closes_its_connection(
     assert [r.target for r in raw_upstream.received] == ["/open/x"]
 
 
+@pytest.mark.parametrize(
+    "coding",
+    [b"Transfer-Encoding: gzip, chunked", b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked"],
+    ids=["one-field", "split-over-two-fields"],
+)
 async def test_an_answer_in_a_transfer_coding_the_proxy_does_not_speak_is_502(
-    open_route: Start,
+    open_route: Start, coding: bytes
 ) -> None:
-    gzipped = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    """A coding the proxy would relay undone, and say nothing of, is never relayed:
+    its fields read together, however many (RFC 9110 §5.3), say gzip, then chunked."""
+    gzipped = b"HTTP/1.1 200 OK\r\n" + coding + b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
     async with scripted(gzipped) as url:
         raw = await raw_request(
             (await open_route(url)).port,

@@ -365,6 +365,18 @@ def test_a_clients_share_of_connections_is_a_tenth_of_the_cap_as_lowered() -> No
     assert DataPlane(handler, limits, max_connections=300).connections_per_client == 7
 
 
+async def test_a_clients_share_of_bodies_in_memory_is_a_quarter_of_max_buffered(
+    start_proxy: ProxyFactory,
+) -> None:
+    """Unset, one client's bodies may hold a quarter of ``max_buffered`` (docs/limits.md:
+    64 MiB of the default 256 MiB), following it when only it is set; set, its own."""
+    assert LimitsSpec().buffered_per_client == 64 * MIB
+    proxy = await start_proxy(limits={"max_buffered": "8MiB"})
+    assert bodies_of(proxy).per_client == 2 * MIB
+    limits = LimitsSpec(max_buffered=8 * MIB, max_buffered_per_client=3 * MIB)
+    assert limits.buffered_per_client == 3 * MIB
+
+
 async def test_a_pass_through_upload_to_an_upstream_that_stops_reading_is_cut(
     start_proxy: ProxyFactory,
 ) -> None:
@@ -533,6 +545,38 @@ async def test_a_body_given_back_late_leaves_its_clients_newer_share_alone(
     for writer in (empty, first, second):
         writer.close()
     await eventually(lambda: bodies.held == 0 and not bodies._shares)
+
+
+async def test_a_clients_share_outlives_its_reads_while_it_holds_a_body_then_goes(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """A body read whole is held until the upstream has it, its read long over: its
+    client's share stays meanwhile, so the client's next body counts with it (503
+    beyond its share, not a fresh share). Once the body is given back the share is
+    gone: the proxy keeps none for each client it ever served."""
+    proxy = await start_proxy(limits={"max_buffered_per_client": "1MiB"})
+    bodies = bodies_of(proxy)
+    size = 600 * 1024
+    release = upstream.hold()
+    try:
+        held_reader, held = await idle(proxy.port, "127.0.0.2")
+        held.write(HEAD % (b"held", size) + b"h" * size)
+        await upstream.wait_for(1)  # its read over, its body held until the answer
+        more_reader, more = await idle(proxy.port, "127.0.0.2")
+        more.write(HEAD % (b"more", size) + b"m" * size)
+        async with asyncio.timeout(10):
+            status, problem = answer_of(await more_reader.read())
+    finally:
+        release()
+    assert (status, kind(problem)) == (503, "proxy-busy")
+    assert problem is not None
+    assert "max_buffered_per_client" in problem["detail"]
+    async with asyncio.timeout(10):
+        assert (await held_reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+    for writer in (held, more):
+        writer.close()
+    await eventually(lambda: bodies.held == 0 and not bodies._shares)
+    assert [r.job for r in upstream.received] == ["held"]
 
 
 async def test_with_a_minimum_rate_a_pause_is_still_held_to_the_body_timeout(

@@ -148,6 +148,28 @@ async def test_a_dot_segment_cannot_move_a_stale_write_to_another_job(
         assert received.target == target
 
 
+async def test_an_absolute_form_target_meets_the_path_rules_as_sent(
+    mode_port: int, raw_upstream: RawUpstream, mode: str
+) -> None:
+    """``POST http://host/a/../b`` is read as ``POST /a/../b`` is: its path is not
+    resolved nor its escapes respelled before the route's ``paths`` sees it, so
+    ``refuse`` refuses it, ``normalize`` forwards the path it resolves to, and
+    ``exact`` forwards the key byte for byte; the query goes as sent."""
+    target = "/orders/fresh/../victim/pay/%7e"
+    answer = await send(
+        mode_port, request("POST", "http://proxy.test" + target + "?q=%7e", fence(None, 10))
+    )
+    forwarded = [r.target for r in raw_upstream.received]
+    if mode == "refuse":
+        assert (answer.status, answer.slug) == (400, "request-target-not-canonical")
+        assert json.loads(answer.body)["canonical"] == "/orders/victim/pay/~"
+        assert forwarded == []
+    else:
+        assert answer.status == 200
+        sent = "/orders/victim/pay/~" if mode == "normalize" else target
+        assert forwarded == [sent + "?q=%7e"]
+
+
 async def test_the_resolved_path_is_what_the_upstream_receives(
     port: int, raw_upstream: RawUpstream
 ) -> None:

@@ -32,7 +32,7 @@ from fenceproxy.testing import (
     free_port,
 )
 
-from .conftest import admit
+from .conftest import ProxyFactory, admit
 from .test_edge import answer_of, kind, rss_of
 
 Client = TestClient[Any, Any]
@@ -177,6 +177,32 @@ async def test_a_keyed_retry_of_a_body_on_disk_is_replayed_and_its_fingerprint_i
     changed = dataclasses.replace(same, fingerprint=fingerprint("POST", "/billing/x", body + b" "))
     assert isinstance(await admit(store, changed), KeyReused)
     assert files_in(bodies) == []
+
+
+async def test_a_body_beyond_body_buffer_that_came_whole_with_its_head_goes_to_disk(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, bodies: Path
+) -> None:
+    """However it arrives: a body of a few KiB comes in the same read as its head,
+    whole, and beyond ``body_buffer`` it is written to its file all the same, not held
+    in memory against the cap and its client's share while its write is under way."""
+    proxy = await start_proxy(limits={"body_buffer": "1KiB", "body_temp_path": str(bodies)})
+    budget = proxy.server.proxy.bodies  # type: ignore[attr-defined]
+    body = body_of(8 * 1024)
+    release = upstream.hold()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(head(len(body)) + body)  # one write, read with its head
+        await upstream.wait_for(1)  # sent from its file, kept until the answer
+        assert len(files_in(bodies)) == 1
+        assert budget.held == 0
+    finally:
+        release()
+    async with asyncio.timeout(10):
+        answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert [r.body for r in upstream.received] == [body]
+    await eventually(lambda: files_in(bodies) == [])
 
 
 async def test_a_body_refused_as_stale_leaves_no_file(

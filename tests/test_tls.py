@@ -34,6 +34,7 @@ from fenceproxy.client import LeaseClient
 from fenceproxy.config import load_config, parse_config
 from fenceproxy.errors import PROBLEM_BASE, ConfigError, LeaseRefused, LeaseServiceError
 from fenceproxy.fence.tokens import generate_key
+from fenceproxy.server.app import FenceProxy
 from fenceproxy.store import PostgresStore
 from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, eventually, free_port
 from fenceproxy.tls import ServerTLS, server_context, subject
@@ -872,3 +873,22 @@ async def test_the_admin_listener_takes_its_credentials_over_tls(
             probe = await http.get(f"{admin}/readyz")
             assert probe.status_code == (200 if probes == "open" else 401)
             assert (await http.get(f"{admin}/readyz", headers=granted)).status_code == 200
+
+
+def test_the_listeners_serve_with_contexts_hardened_as_the_threat_model_says(
+    tmp_path: Path, certs: Certificates
+) -> None:
+    """The contexts the proxy's listener and the admin listener serve with: TLS 1.2
+    at least, renegotiation refused, no compression, the server's cipher order, and
+    every option the standard library sets on a server's context kept."""
+    certs.server()
+    config = load_config(
+        write_config(tmp_path, "http://127.0.0.1:9", tls=LISTENER, admin_tls=LISTENER)
+    )
+    tls = FenceProxy(config).tls
+    hardened = ssl.OP_NO_RENEGOTIATION | ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
+    expected = hardened | ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).options
+    for context in (tls.listener, tls.admin):
+        assert context is not None
+        assert context.minimum_version == ssl.TLSVersion.TLSv1_2
+        assert context.options & expected == expected

@@ -190,10 +190,20 @@ async def test_a_chunked_answer_is_read_whole_and_the_connection_kept() -> None:
         origin.close()
 
 
-async def test_an_interim_answer_is_skipped() -> None:
-    async with scripted(always(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)) as upstream:
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "interim",
+    [b"HTTP/1.1 100 Continue\r\n\r\n", EARLY_HINTS, b"HTTP/1.1 100 Continue\r\n\r\n" + EARLY_HINTS],
+    ids=["100-continue", "103-early-hints", "both"],
+)
+async def test_an_interim_answer_is_skipped(interim: bytes) -> None:
+    async with scripted(always(interim + OK)) as upstream:
         origin = Origin(URL(upstream.url))
         assert await post(origin) == (200, b"{}")
+        assert await post(origin) == (200, b"{}")  # and the connection goes on
+        assert upstream.connections == 1
         origin.close()
 
 
@@ -264,6 +274,21 @@ async def test_an_idle_connection_the_upstream_closed_is_not_used() -> None:
             await asyncio.sleep(0.001)
         assert await post(origin) == (200, b"{}")  # not sent on the closed one
         assert upstream.connections == 2
+        origin.close()
+
+
+async def test_an_idle_connection_is_reused_within_4_s_and_not_after() -> None:
+    """An idle connection is kept for at most 4 s (docs/forwarding.md), under the
+    shortest common upstream keep-alive (Node's 5 s), so a write is seldom sent on a
+    connection the upstream is closing. Its idle time is moved on, not waited for."""
+    async with scripted(always(OK)) as upstream:
+        origin = Origin(URL(upstream.url))
+        for idle_for, opened in ((3.9, 1), (4.0, 2)):
+            assert await post(origin) == (200, b"{}")
+            [(conn, since)] = origin._idle
+            origin._idle[0] = (conn, since - idle_for)  # as if idle that long
+            assert await post(origin) == (200, b"{}")
+            assert (origin.opened, upstream.connections) == (opened, opened)
         origin.close()
 
 
@@ -345,6 +370,62 @@ async def test_a_cancelled_exchange_closes_its_connection() -> None:
         assert origin.idle == 0
 
 
+async def test_an_upstream_that_closes_mid_exchange_fails_it_at_once() -> None:
+    """A clean close before the answer, or in the middle of its body, fails the
+    exchange as it happens (UpstreamFailed, 502), not once the read deadline is
+    over (which would be a 504, 30 s later on a route's default timeout)."""
+    cut_short = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf!"
+    for answer in (None, cut_short):
+        async with scripted(always(answer, hang_up=True)) as upstream:
+            origin = Origin(URL(upstream.url))
+            async with asyncio.timeout(5):
+                with pytest.raises(UpstreamFailed, match="ConnectionResetError"):
+                    await post(origin, within=60)
+            assert origin.idle == 0
+
+
+async def test_a_read_deadline_let_go_while_the_request_goes_out_is_set_again() -> None:
+    """The read deadline of a connection outlives a quick exchange; when it fires
+    while the next request on that connection is still going out, it lets go, and is
+    set again once the request is out: an upstream that then says nothing is timed
+    out, not waited on for the rest of the connection's life."""
+
+    async def upload() -> AsyncIterator[bytes]:
+        for _ in range(5):  # 1 s of upload, past the 0.5 s read timeout
+            yield b"ab"
+            await asyncio.sleep(0.2)
+
+    async with scripted(lambda n: (OK if n == 0 else None, False)) as upstream:
+        origin = Origin(URL(upstream.url))
+        assert await post(origin, within=0.5) == (200, b"{}")
+        async with asyncio.timeout(5):
+            with pytest.raises(UpstreamTimeout):
+                await post(origin, upload(), within=0.5)
+        assert upstream.connections == 1  # the same connection
+        assert [r.body for r in upstream.received] == [b"{}", b"ababababab"]
+
+
+async def test_a_read_deadline_let_go_while_the_reader_is_behind_is_set_again() -> None:
+    """A reader behind the upstream stops the connection's reading: the deadline lets
+    go meanwhile (the upstream is not late), and is set again when the reader catches
+    up, so an upstream that then stops in the middle of its answer is timed out."""
+    stalls = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2 * 1024 * 1024)
+    async with scripted(always(stalls + b"x" * 400 * 1024)) as upstream:
+        origin = Origin(URL(upstream.url))
+        response = await origin.request(
+            "GET", "/x", CIMultiDict(), None, connect_timeout=5, read_timeout=0.3
+        )
+        await asyncio.sleep(0.6)  # a reader slower than the read timeout
+        received = 0
+        async with asyncio.timeout(5):
+            with pytest.raises(UpstreamTimeout):
+                async for chunk in response.chunks():
+                    received += len(chunk)
+        response.release()
+        assert received == 400 * 1024  # every byte that came, then the deadline
+        assert origin.idle == 0
+
+
 # Through the proxy: each failure is the answer the README documents for it.
 ANSWERS = {
     "hang-up before answering": (502, "upstream-failed"),
@@ -390,6 +471,73 @@ async def test_fenced_writes_give_their_connection_back(start_proxy: ProxyFactor
                 assert answer.status == 200
         assert len(upstream.received) == 4
         assert upstream.connections == 1  # one connection, given back after each write
+
+
+async def test_a_keyed_write_after_early_hints_keeps_and_replays_the_final_answer(
+    start_proxy: ProxyFactory,
+) -> None:
+    """103 Early Hints is not the answer: the client gets the final one, and that is
+    what its key keeps for a retry, never the hints."""
+    final = b'HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\n{"id":7}'
+    async with scripted(always(EARLY_HINTS + final)) as upstream:
+        route = {"name": "r", "path": "/", "upstream": upstream.url, "fence": {}}
+        client = await start_proxy([route])
+        headers = {"Fencing-Job": "j", "Fencing-Token": "1", "Idempotency-Key": "k"}
+        for replayed in (None, "true"):
+            async with (
+                asyncio.timeout(10),
+                client.post("/w", data=b"{}", headers=headers) as answer,
+            ):
+                assert (answer.status, await answer.read()) == (201, b'{"id":7}')
+                assert answer.headers.get("Idempotent-Replayed") == replayed
+                assert "Link" not in answer.headers
+        assert len(upstream.received) == 1
+
+
+@pytest.mark.parametrize(
+    "cap", [1024, 1024 * 1024], ids=["arriving-with-its-head", "read-as-it-comes"]
+)
+async def test_an_answer_of_max_response_is_kept_for_its_key_and_one_byte_more_is_not(
+    start_proxy: ProxyFactory, cap: int
+) -> None:
+    """``idempotency.max_response`` is the largest answer kept: a retry of its key is
+    answered with it; one byte more and the client still gets all of it, but a retry
+    is 409 ``duplicate-not-stored``. The same whether the answer came whole with its
+    head or is read as it comes (1 MiB, the default, is more than is read ahead)."""
+
+    def answer(n: int) -> tuple[bytes, bool]:
+        size = cap if n == 0 else cap + 1
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + b"x" * size, False
+
+    async with scripted(answer) as upstream:
+        route = {"name": "r", "path": "/", "upstream": upstream.url, "fence": {}}
+        client = await start_proxy([route], idempotency={"max_response": cap})
+        for key, size, retried in (("at", cap, 200), ("over", cap + 1, 409)):
+            headers = {"Fencing-Job": "j", "Fencing-Token": "1", "Idempotency-Key": key}
+            async with client.post("/w", data=b"{}", headers=headers) as first:
+                assert (first.status, await first.read()) == (200, b"x" * size)
+            async with client.post("/w", data=b"{}", headers=headers) as retry:
+                assert retry.status == retried
+                if retried == 200:
+                    assert retry.headers["Idempotent-Replayed"] == "true"
+                    assert await retry.read() == b"x" * size
+                else:
+                    assert (await retry.json())["type"].endswith("duplicate-not-stored")
+        assert len(upstream.received) == 2
+
+
+async def test_an_upstream_that_hangs_up_is_502_at_once_whatever_the_timeout(
+    start_proxy: ProxyFactory,
+) -> None:
+    """An upstream gone before its answer is a 502 as soon as it is gone, not a 504
+    once the route's timeout (30 s by default) is over."""
+    async with scripted(always(None, hang_up=True)) as upstream:
+        route = {"name": "r", "path": "/", "upstream": upstream.url, "fence": {}}
+        client = await start_proxy([route])  # the route's timeout: 30 s
+        headers = {"Fencing-Job": "j", "Fencing-Token": "1"}
+        async with asyncio.timeout(5), client.post("/w", data=b"{}", headers=headers) as answer:
+            assert answer.status == 502
+            assert (await answer.json())["type"].endswith("upstream-failed")
 
 
 async def test_an_unreachable_upstream_is_refused_before_anything_is_sent(

@@ -51,13 +51,13 @@ HTTP10 = Version(1, 0)
 HTTP11 = Version(1, 1)
 NONE_NAMED: frozenset[bytes] = frozenset()
 MAX_LINE = 8190
-"""The longest request line, and the longest field name or value (nginx: 8k)."""
+"""The longest request target, and the longest field name or value (nginx: 8k)."""
 MAX_FIELDS = 100
 """The most fields in a request head."""
 MAX_HEAD = 64 * 1024
-"""The most bytes of one request head, or of a body's trailer fields (nginx: 32 KiB);
-also the most the parser may take in without reporting anything (a field that
-never ends)."""
+"""The most bytes of one request head's field lines, or of a body's trailer fields
+(nginx: 32 KiB); also the most the parser may take in without reporting anything (a
+field that never ends)."""
 # RFC 9110's fields that appear once; a second is refused, as aiohttp's parser does.
 _SINGLETONS = frozenset(
     {
