@@ -156,6 +156,7 @@ chaos: $(STAMP)
 BENCH_ARGS ?=
 bench: $(STAMP) servers
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+	$(BIN)/python bench/wake.py $(if $(findstring --no-postgres,$(BENCH_ARGS)),--no-postgres)
 
 ## Known vulnerabilities in the locked dependencies fail the build. Needs an advisory
 ## database (PyPI's JSON API or OSV); --strict fails rather than passing when a

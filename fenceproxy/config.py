@@ -394,6 +394,9 @@ class LeasesSpec(_Model):
     default_ttl: Duration = 30.0
     min_ttl: Duration = 0.1
     max_ttl: Duration = 86400.0
+    max_wait: Duration = 60.0
+    """The longest a claim is held waiting for its job (its ``wait``); a longer wait
+    is waited this long, then answered with the refusal."""
     clients: tuple[LeaseClientSpec, ...] = ()
     """With any, every call needs one of these credentials; with none, the API is open."""
 

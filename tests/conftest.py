@@ -197,10 +197,14 @@ async def admit(store: Store, write: FencedWrite) -> Admit | Replay | Refusal | 
     return decision
 
 
-def store_of(client: TestClient[Any, Any]) -> Store:
+def proxy_of(client: TestClient[Any, Any]) -> FenceProxy:
     server = client.server
     assert isinstance(server, ProxyTestServer)
-    return server.proxy.store
+    return server.proxy
+
+
+def store_of(client: TestClient[Any, Any]) -> Store:
+    return proxy_of(client).store
 
 
 async def fenced(

@@ -72,3 +72,16 @@ def test_postgres_rows_count_the_database_apart_and_pgbench_runs_beside(tmp_path
     assert runs["pgbench"]["proxy_cpu_us"] == 0
     assert runs["pgbench"]["database_cpu_us"] > 0
     assert "pg fenced req/s >= 0.5x pgbench's" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_wake_benchmark_times_a_waiting_claim_from_each_release() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "wake.py"), "--rounds", "5", "--no-postgres"],
+        capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("| SQLite")]
+    releases, *figures = (float(cell) for cell in row.strip("|").split("|")[1:])
+    assert releases == 5
+    assert 0 < figures[0] <= figures[-1]  # the median, at most the worst

@@ -30,9 +30,9 @@ from fenceproxy.errors import (
 from fenceproxy.fence.fencing import GENERATION_MAX
 from fenceproxy.leases import model as leasing
 from fenceproxy.leases.model import Lease, LeaseState
-from fenceproxy.testing import FakeClock, RecordingUpstream
+from fenceproxy.testing import FakeClock, RecordingUpstream, eventually
 
-from .conftest import ProxyFactory, fenced, store_of
+from .conftest import ProxyFactory, fenced, proxy_of, store_of
 from .test_proxy import problem
 
 pytestmark = pytest.mark.both_stores
@@ -728,6 +728,85 @@ async def test_state_follows_the_lease(leases: Client, clock: FakeClock) -> None
     done = await ok(await complete(leases, "j", "b", b["generation"]))
     assert (done["state"], done["lease_until"], done["expires_in"]) == ("completed", clock.now, 0)
     assert await show(leases, "j") == done
+
+
+# -- claims that wait ----------------------------------------------------------------
+# The store's clock is a FakeClock here, so a held lease never runs out by itself: a
+# waiting claim gets in only by being woken. Each wait below is bounded well inside
+# the proxy's own re-ask (5 s), which would otherwise hide a wake that never came.
+
+
+async def waiting_claim(client: Client, job: str, owner: str, wait: float) -> asyncio.Task[Any]:
+    """A claim with ``wait``, sent; returned once the proxy holds it waiting."""
+    claim = asyncio.create_task(call(client, job, "claim", {"owner": owner, "wait": wait}))
+    await eventually(lambda: store_of(client).wakes.watched(job) or claim.done())
+    return claim
+
+
+async def test_a_waiting_claim_is_granted_when_the_holder_releases(leases: Client) -> None:
+    a = await claimed(leases, "j", "a", ttl=30)
+    claim = await waiting_claim(leases, "j", "b", 30)
+    assert not claim.done()
+    await ok(await release(leases, "j", "a", a["generation"]))
+    async with asyncio.timeout(4):
+        granted = await ok(await claim)
+    assert (granted["owner"], granted["generation"]) == ("b", 2)
+    assert granted["waited"] > 0
+
+
+async def test_a_waiting_claim_is_told_at_once_when_the_holder_completes(leases: Client) -> None:
+    a = await claimed(leases, "j", "a", ttl=30)
+    claim = await waiting_claim(leases, "j", "b", 30)
+    await ok(await complete(leases, "j", "a", a["generation"]))
+    async with asyncio.timeout(4):
+        refused = await claim
+    assert refused.status == 409
+    assert (await refused.json())["type"] == "urn:fenceproxy:problem:job-completed"
+
+
+async def test_a_wait_that_runs_out_is_answered_with_the_refusal(
+    leases: Client, clock: FakeClock
+) -> None:
+    """Counted once, as one claim, however often it was asked again meanwhile."""
+    await claimed(leases, "j", "a", ttl=30)
+    started = asyncio.get_running_loop().time()
+    refused = await call(leases, "j", "claim", {"owner": "b", "wait": 0.3})
+    assert asyncio.get_running_loop().time() - started >= 0.3
+    assert refused.status == 409
+    assert (await refused.json())["type"] == "urn:fenceproxy:problem:lease-held"
+    assert int(refused.headers["Retry-After"]) > 0
+    metrics = proxy_of(leases).metrics.registry
+    held = {"action": "claim", "result": "lease-held"}
+    assert metrics.get_sample_value("fenceproxy_lease_calls_total", held) == 1
+
+
+async def test_a_wait_is_at_most_the_configured_longest(start_proxy: ProxyFactory) -> None:
+    client = await start_proxy(leases={"max_wait": "200ms"})
+    await claimed(client, "j", "a", ttl=30)
+    async with asyncio.timeout(4):  # far less than the 60 s asked for
+        refused = await call(client, "j", "claim", {"owner": "b", "wait": 60})
+    assert refused.status == 409
+
+
+@pytest.mark.parametrize("wait", [-1, "10", True])
+async def test_a_wait_that_is_not_seconds_is_422(leases: Client, wait: Any) -> None:
+    refused = await call(leases, "j", "claim", {"owner": "b", "wait": wait})
+    assert refused.status == 422
+    assert [e["field"] for e in (await refused.json())["errors"]] == ["wait"]
+
+
+@pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
+async def test_a_release_through_one_proxy_wakes_a_claim_waiting_on_another(
+    start_proxy: ProxyFactory,
+) -> None:
+    """Each proxy listens on the database for the others' releases (LISTEN/NOTIFY)."""
+    one, other = await start_proxy(leases=None), await start_proxy(leases=None)
+    a = await claimed(one, "j", "a", ttl=30)
+    claim = await waiting_claim(other, "j", "b", 30)
+    await ok(await release(one, "j", "a", a["generation"]))
+    async with asyncio.timeout(4):
+        granted = await ok(await claim)
+    assert granted["generation"] == 2
 
 
 # -- the pure decisions ------------------------------------------------------------

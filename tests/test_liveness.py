@@ -11,6 +11,7 @@ order and one in generation order (where A writes two at a time)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -63,6 +64,14 @@ async def proxies(
     for process in started:
         print(process.output())  # shown when a test fails
         await process.stop()
+
+
+WAITING = "fenceproxy_lease_claims_waiting"
+
+
+async def text(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url) as response:
+        return await response.text()
 
 
 async def call(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> tuple[int, Any]:
@@ -153,3 +162,41 @@ async def test_a_holder_writing_past_its_lease_cannot_keep_the_next_one_out(
     )
     assert status == 200, answer
     assert upstream.received[-1].generation == claim["generation"]
+
+
+async def test_a_waiting_claim_gets_the_job_when_its_lease_runs_out(
+    proxies: Callable[[str], Any], http: aiohttp.ClientSession
+) -> None:
+    """The proxy holds B's claim and asks again when A's lease runs out, not on a
+    poll of its own (it asks again by itself only after 5 s)."""
+    a_proxy, b_proxy = await proxies("job")
+    status, lease = await call(http, a_proxy.url + "/_leases/job/claim", {"owner": "a", "ttl": 0.5})
+    assert status == 200, lease
+    async with asyncio.timeout(4):
+        status, claim = await call(
+            http, b_proxy.url + "/_leases/job/claim", {"owner": "b", "wait": 30}
+        )
+    assert status == 200, claim
+    assert claim["generation"] == lease["generation"] + 1
+    assert claim["waited"] > 0
+
+
+async def test_a_waiting_claim_is_answered_at_once_when_its_proxy_stops(
+    proxies: Callable[[str], Any], http: aiohttp.ClientSession
+) -> None:
+    """A claim held waiting does not hold the proxy's shutdown: it is answered with
+    what it was last told, and the proxy exits cleanly."""
+    a_proxy, b_proxy = await proxies("job")
+    status, _ = await call(http, a_proxy.url + "/_leases/job/claim", {"owner": "a", "ttl": 30})
+    assert status == 200
+    body = {"owner": "b", "wait": 30}
+    claim = asyncio.create_task(call(http, b_proxy.url + "/_leases/job/claim", body))
+    async with asyncio.timeout(10):  # until the proxy holds it
+        while f"{WAITING} 1.0" not in await text(http, b_proxy.admin_url + "/metrics"):
+            assert not claim.done()
+            await asyncio.sleep(0.01)
+    b_proxy.signal(signal.SIGTERM)
+    async with asyncio.timeout(4):
+        status, refused = await claim
+    assert (status, refused["type"]) == (409, "urn:fenceproxy:problem:lease-held")
+    assert await b_proxy.wait() == 0

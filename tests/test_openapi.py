@@ -34,10 +34,13 @@ schema = schemathesis.openapi.from_path(str(SPEC))
 @pytest.fixture(scope="module")
 def lease_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real proxy serving its lease API alone, with its prefix elsewhere than the
-    file's default: the served file says where it is."""
+    file's default: the served file says where it is. A claim's wait is held to
+    100 ms, so a busy job's claim with any wait is answered within the client's time."""
     folder = tmp_path_factory.mktemp("openapi")
     config = folder / "proxy.yaml"
-    config.write_text(f"store: sqlite:///{folder / 'fences.db'}\nleases: {{prefix: /leases}}\n")
+    config.write_text(
+        f"store: sqlite:///{folder / 'fences.db'}\nleases: {{prefix: /leases, max_wait: 100ms}}\n"
+    )
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "fenceproxy", "serve", "-c", str(config),

@@ -24,9 +24,9 @@ from fenceproxy.client import (
     SyncLeaseClient,
     refusal_kind,
 )
-from fenceproxy.testing import FakeClock, Received, RecordingUpstream
+from fenceproxy.testing import FakeClock, Received, RecordingUpstream, eventually
 
-from .conftest import ProxyFactory, fenced
+from .conftest import ProxyFactory, fenced, store_of
 
 Client = TestClient[Any, Any]
 T = TypeVar("T")
@@ -119,12 +119,13 @@ async def test_a_lost_lease_stops_the_worker_at_its_next_step(service: Client) -
     assert all("renewal refused: 409 job-completed" in why for why in seen)
 
 
-async def test_hold_waits_for_a_busy_job_and_gets_the_next_generation(
-    service: Client, clock: FakeClock
+async def test_hold_waits_for_a_busy_job_and_gets_it_when_it_is_released(
+    service: Client,
 ) -> None:
+    """A worker waiting in hold() sends one claim, which the proxy holds while the job
+    is held and grants once its holder releases it: no claim after claim."""
     base = url(service)
-    held = await service.post("/_leases/job/claim", json={"owner": "old", "ttl": 30})
-    assert held.status == 200
+    held = await (await service.post("/_leases/job/claim", json={"owner": "old", "ttl": 30})).json()
     attempts: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -141,11 +142,12 @@ async def test_hold_waits_for_a_busy_job_and_gets_the_next_generation(
     with pytest.raises(LeaseRefused, match="lease-held"):
         await in_thread(lambda: worker(0))  # no waiting: refused at once
     waiting = asyncio.ensure_future(in_thread(lambda: worker(30)))
-    while len(attempts) < 3:  # it is backing off, claim after claim
-        await asyncio.sleep(0.01)
-    clock.advance(31)  # the old holder's lease runs out on the store's clock
-    assert await waiting == 2
-    assert attempts[0] < attempts[2] <= 2.0  # backing off, never beyond 2 s
+    await eventually(lambda: store_of(service).wakes.watched("job"))  # held by the proxy
+    old = {"owner": "old", "generation": held["generation"]}
+    assert (await service.post("/_leases/job/release", json=old)).status == 200
+    async with asyncio.timeout(4):  # well before the proxy would ask again by itself
+        assert await waiting == 2
+    assert attempts == []
 
 
 async def test_a_claim_waits_until_the_old_holders_write_is_answered(
@@ -179,12 +181,12 @@ async def test_a_claim_waits_until_the_old_holders_write_is_answered(
             return lease.generation
 
     waiting = asyncio.ensure_future(in_thread(worker))
-    while len(attempts) < 2:  # refused, backing off
-        await asyncio.sleep(0.01)
+    await eventually(lambda: store_of(service).wakes.watched("job"))  # held by the proxy
     assert not waiting.done()
     release()
     assert (await old_write).status == 200
     assert await waiting == 3
+    assert attempts == []
 
 
 async def test_a_wait_runs_out_with_the_refusal(service: Client) -> None:
@@ -256,24 +258,32 @@ async def test_a_write_is_sent_again_only_when_the_refusal_says_nothing_was_appl
     assert waits == [7.0]
 
 
-async def test_both_clients_wait_alike(service: Client, clock: FakeClock) -> None:
-    """The async client takes the same rules: it waits for the job too."""
-    held = await service.post("/_leases/job/claim", json={"owner": "old", "ttl": 30})
-    assert held.status == 200
+async def test_both_clients_wait_alike(service: Client) -> None:
+    """The async client takes the same rules: it waits for the job too, and times a
+    lease granted after a wait longer than its ttl from the grant, not from when it
+    sent the claim (which would be past its deadline at once)."""
+    held = await (await service.post("/_leases/job/claim", json={"owner": "old", "ttl": 30})).json()
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
-        if len(slept) == 2:
-            clock.advance(31)
         await asyncio.sleep(seconds)
 
+    async def release_later() -> None:
+        await eventually(lambda: store_of(service).wakes.watched("job"))
+        await asyncio.sleep(0.5)  # longer than the new lease's ttl, on the worker's clock
+        old = {"owner": "old", "generation": held["generation"]}
+        assert (await service.post("/_leases/job/release", json=old)).status == 200
+
+    releasing = asyncio.create_task(release_later())
     async with (
         LeaseClient(url(service), sleep=sleep) as leases,
-        leases.hold("job", owner="new", ttl=30, wait=30) as lease,
+        leases.hold("job", owner="new", ttl=0.4, wait=30) as lease,
     ):
         assert lease.generation == 2
-    assert len(slept) == 2
+        lease.check()  # not lost: its deadline counts from the grant
+    await releasing
+    assert slept == []
 
 
 def test_a_url_without_a_scheme_is_refused_before_anything_is_sent() -> None:

@@ -137,16 +137,20 @@ class Endpoint:
     def grant(self, action: str, record: dict[str, Any], sent: float) -> Grant:
         """A claim's or renewal's answer, trusted until ``sent`` (read before the
         request went out: the safe side of the server's clock) plus the ttl less
-        the margin."""
+        the margin. A claim the server held waiting says for how long (``waited``):
+        it was granted no earlier than that after it was sent."""
         try:
             ttl = float(record["ttl"])
+            waited = float(record.get("waited", 0.0))
+            if not 0 <= waited < float("inf"):
+                raise ValueError(waited)
             return Grant(
                 job_id=str(record["job_id"]),
                 owner=str(record["owner"]),
                 generation=int(record["generation"]),
                 token=str(record["token"]),
                 ttl=ttl,
-                deadline=sent + ttl * (1 - self.margin),
+                deadline=sent + waited + ttl * (1 - self.margin),
                 record=record,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -285,11 +289,12 @@ _WAITABLE = frozenset({"lease-held", "write-in-flight"})
 
 
 class Patience:
-    """How long to wait before claiming a busy job again, for at most ``wait``
-    seconds in all: exponential backoff from 50 ms to 2 s, each wait a random half
-    to all of it (so workers waiting for one job spread out), never later than the
-    current lease's expiry (the server's ``Retry-After``), which is when the job is
-    free at the latest."""
+    """How long a claim waits for a busy job, ``wait`` seconds in all: the server
+    holds each claim for what is left of it; one the server answered early (at its own
+    longest wait, or stopping) is sent again after an exponential backoff from 50 ms
+    to 2 s, each a random half to all of it (so workers waiting for one job spread
+    out), never later than the current lease's expiry (the server's ``Retry-After``),
+    which is when the job is free at the latest."""
 
     def __init__(
         self, wait: float, clock: Callable[[], float], rand: Callable[[], float] = random.random
@@ -298,6 +303,10 @@ class Patience:
         self._clock = clock
         self._rand = rand
         self._backoff = _BACKOFF_FIRST
+
+    def left(self) -> float:
+        """Seconds of the wait still to go (0 once it is over)."""
+        return max(0.0, self._until - self._clock())
 
     def next(self, refused: LeaseRefused) -> float | None:
         """Seconds to wait before the next claim, or None to give up (the job is not

@@ -186,8 +186,16 @@ class Flows:
 
     # The calls of the clients' methods of the same names, which say what each does.
 
-    def claim(self, job: str, owner: str | None, ttl: float | None) -> Flow[Grant]:
-        return self._grant(job, "claim", _with_ttl(holder(owner), ttl), None)
+    def claim(
+        self, job: str, owner: str | None, ttl: float | None, wait: float = 0.0
+    ) -> Flow[Grant]:
+        """With ``wait``, the server holds the claim up to that long while the job is
+        busy (so the call may take that much longer)."""
+        body = _with_ttl(holder(owner), ttl)
+        if wait <= 0:
+            return self._grant(job, "claim", body, None)
+        within = self.endpoint.request_timeout + wait
+        return self._grant(job, "claim", {**body, "wait": wait}, within)
 
     def renew(
         self,
@@ -214,11 +222,17 @@ class Flows:
         return self.call("GET", job, None, None)
 
     def claim_waiting(self, holding: Holding, wait: float) -> Flow[Grant]:
-        """Claim, waiting up to ``wait`` seconds while another worker holds the job."""
+        """Claim, waiting up to ``wait`` seconds while another worker holds the job: the
+        server holds the claim meanwhile and grants it as soon as the job is free. A
+        claim it answered before the wait was over (its own longest wait, or it was
+        stopping) is sent again after a backoff."""
+        if wait <= 0:
+            return (yield from self.claim(holding.job_id, holding.owner, holding.ttl))
         patience = Patience(wait, self.clock)
         while True:
+            left = patience.left()
             try:
-                return (yield from self.claim(holding.job_id, holding.owner, holding.ttl))
+                return (yield from self.claim(holding.job_id, holding.owner, holding.ttl, left))
             except LeaseRefused as refused:
                 delay = patience.next(refused)
                 if delay is None:

@@ -62,6 +62,11 @@ class Metrics:
             ["action", "result"],
             registry=r,
         )
+        self.claims_waiting = Gauge(
+            "fenceproxy_lease_claims_waiting",
+            "Claims held waiting for their job (the claim's wait)",
+            registry=r,
+        )
         self.bodies_held = Gauge(
             "fenceproxy_request_bytes_held",
             "Request bodies held in memory (limits.max_buffered caps it)",

@@ -422,6 +422,7 @@ async def serve(
                 hup()
             await stop.wait()
         finally:
+            proxy.store.wakes.close()  # waiting claims answer now, not at their end
             await admin.cleanup()
             await listener.close()
 

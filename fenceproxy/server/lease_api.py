@@ -1,6 +1,6 @@
 """The lease API over HTTP, served by the proxy under its ``leases.prefix``.
 
-    POST {prefix}/{job}/claim     {"owner": "...", "ttl": 30}
+    POST {prefix}/{job}/claim     {"owner": "...", "ttl": 30, "wait": 10}
     POST {prefix}/{job}/renew     {"owner": "...", "generation": 7, "ttl": 30}
     POST {prefix}/{job}/complete  {"owner": "...", "generation": 7}
     POST {prefix}/{job}/release   {"owner": "...", "generation": 7}
@@ -11,6 +11,15 @@ not JSON is 400, missing or invalid fields 422 naming each field. The store's
 clock decides expiry; ``ttl`` is in seconds, fractional allowed, bounded by the
 config, and optional (``leases.default_ttl``).
 
+A claim with ``wait`` is held while the job is held (``lease-held``) or has a write
+in flight (``write-in-flight``), for up to that many seconds (at most
+``leases.max_wait``), and asked again whenever the job may have changed: at once
+when its holder releases or completes it (the store wakes it, on PostgreSQL from
+any proxy: :mod:`fenceproxy.store.wakes`), when its lease runs out, and, for writes
+in flight, each time this proxy clears one of the job's records or, for another
+proxy's, on a short poll. It answers the grant as soon as there is one, or the last
+refusal when the wait is over or the proxy stops.
+
 With credentials configured (``leases.clients``), every call needs one
 (:mod:`fenceproxy.leases.auth`): 401 without, 403 for a job it does not cover. The
 lease's owner is then the credential's name (``name/owner`` when the body names an
@@ -19,7 +28,9 @@ owner too, which it need not).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import unicodedata
 from importlib.resources import files
 from typing import Annotated, Any
@@ -30,6 +41,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from ..config import LeasesSpec
 from ..errors import (
+    LeaseHeld,
     LeaseNotFound,
     LeaseRequestInvalid,
     LeaseRequestMalformed,
@@ -37,6 +49,7 @@ from ..errors import (
     Refusal,
     StoreError,
     StoreUnavailable,
+    WriteInFlight,
 )
 from ..fence.fencing import GENERATION_MAX, parse_job
 from ..fence.tokens import SigningKeys
@@ -53,6 +66,12 @@ from ..store import Store
 __all__ = ["LeaseService"]
 
 _MAX_BODY = 64 * 1024
+# A waiting claim asks again behind a write in flight after this, doubling up to the
+# cap: another proxy's record is cleared without a word to this one.
+_POLL_FIRST, _POLL_MAX = 0.005, 0.1
+# A waiting claim asks again after this at the latest, whatever it was told: a wake
+# lost (a listening connection lost and opened again) costs no more.
+_RECHECK = 5.0
 
 
 def _printable(value: str) -> str:
@@ -90,6 +109,8 @@ class _Claim(_Body):
     owner: Owner | None = None
     """Required unless the API takes credentials (see :meth:`LeaseService._owner`)."""
     ttl: Seconds | None = None
+    wait: Seconds | None = None
+    """How long the claim may be held waiting for the job, up to ``leases.max_wait``."""
 
 
 class _Renew(_Body):
@@ -172,14 +193,44 @@ class LeaseService:
         body = await self._parse(request, _Claim)
         owner = _owner(body.owner, caller)
         ttl = self._ttl(body.ttl)
-        result, now = await self._change(
-            "claim",
+        wait = self._wait(body.wait)
+        started = asyncio.get_running_loop().time()
+        outcome, now, asked = await self._waiting(
             job,
-            owner,
             lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now),
+            wait,
         )
+        result = self._record("claim", job, owner, outcome)
         lease_log.info("claim %r by %r: generation %d", job, owner, result.generation)
-        return self._answer(result, now)
+        return self._answer(result, now, waited=asked - started if wait else None)
+
+    async def _waiting(
+        self, job: str, change: leasing.LeaseChange, wait: float
+    ) -> tuple[Lease | Refusal, float, float]:
+        """A claim's outcome, asked again while the job is held or has a write in flight,
+        each time it may have changed, for up to ``wait`` seconds (see the module's
+        docstring); the store's clock, and when (on the loop's clock) the outcome was
+        asked for: a grant came no earlier."""
+        store = self._store()
+        loop = asyncio.get_running_loop()
+        deadline, poll = loop.time() + wait, _POLL_FIRST
+        while True:
+            with store.wakes.watch(job) as woken:  # before the store is read
+                asked = loop.time()
+                outcome, now = await store.change_lease(job, change)
+                left = deadline - loop.time()
+                if not isinstance(outcome, LeaseHeld | WriteInFlight) or left <= 0:
+                    return outcome, now, asked
+                pause = min(left, outcome.retry_after or _RECHECK, _RECHECK)
+                if isinstance(outcome, WriteInFlight):
+                    pause, poll = min(pause, poll), min(poll * 2, _POLL_MAX)
+                self._metrics.claims_waiting.inc()
+                try:
+                    await asyncio.wait((woken,), timeout=pause)
+                finally:
+                    self._metrics.claims_waiting.dec()
+                if store.wakes.closed:  # the proxy stops: answer what was last told
+                    return outcome, now, asked
 
     async def renew(self, request: Request, job: str, caller: LeaseCaller | None) -> Answer:
         body = await self._parse(request, _Renew)
@@ -236,19 +287,23 @@ class LeaseService:
         return self._answer(result, now)
 
     async def _change(self, action: str, job: str, owner: str, change: Any) -> tuple[Lease, float]:
-        """The changed lease and the store's clock when it changed; refusals raised.
-        Counted by action and result, and kept for the operator page."""
-        result, now = await self._store().change_lease(job, change)
+        """The changed lease and the store's clock when it changed; refusals raised."""
+        outcome, now = await self._store().change_lease(job, change)
+        return self._record(action, job, owner, outcome), now
+
+    def _record(self, action: str, job: str, owner: str, outcome: Lease | Refusal) -> Lease:
+        """``outcome``, counted by action and result and kept for the operator page; a
+        refusal raised."""
         recent = self._metrics.recent
-        if isinstance(result, Refusal):
-            self._metrics.lease_call(action, result.slug)
-            extensions = result.extensions
-            recent.lease(action, job, owner, extensions.get("generation"), result.slug,
-                         result.status, extensions.get("current_generation"))  # fmt: skip
-            raise result
+        if isinstance(outcome, Refusal):
+            self._metrics.lease_call(action, outcome.slug)
+            extensions = outcome.extensions
+            recent.lease(action, job, owner, extensions.get("generation"), outcome.slug,
+                         outcome.status, extensions.get("current_generation"))  # fmt: skip
+            raise outcome
         self._metrics.lease_call(action, "granted")
-        recent.lease(action, job, owner, result.generation)
-        return result, now
+        recent.lease(action, job, owner, outcome.generation)
+        return outcome
 
     async def _parse(self, request: Request, schema: type[_Body]) -> Any:
         held = await self._bodies.read(request, _MAX_BODY, lease=True)
@@ -282,12 +337,23 @@ class LeaseService:
             )
         return ttl
 
+    def _wait(self, wait: float | None) -> float:
+        if wait is None:
+            return 0.0
+        if wait < 0:
+            raise _invalid("wait", "must be 0 or more seconds")
+        return min(wait, self.spec.max_wait)
+
     def _store(self) -> Store:
         assert self.store is not None, "the lease service runs only inside a started app"
         return self.store
 
-    def _answer(self, lease: Lease, now: float, *, with_token: bool = True) -> Answer:
-        """``now`` is the store's clock, read in the same transaction."""
+    def _answer(
+        self, lease: Lease, now: float, *, with_token: bool = True, waited: float | None = None
+    ) -> Answer:
+        """``now`` is the store's clock, read in the same transaction. A claim says how
+        long it was held waiting before the grant (``waited``, when it asked to wait):
+        its holder times the lease from when it sent the claim plus that."""
         answer: dict[str, Any] = {
             "job_id": lease.job_id,
             "owner": lease.owner,
@@ -299,6 +365,8 @@ class LeaseService:
             "lease_until": lease.lease_until,
             "expires_in": max(0.0, lease.lease_until - now),
         }
+        if waited is not None:
+            answer["waited"] = math.floor(waited * 1e6) / 1e6  # never more than it was
         if with_token:
             answer["token"] = (
                 lease.token

@@ -33,8 +33,9 @@ from ..fence.fencing import (
     Replay,
     StoredResponse,
 )
-from ..leases.model import Lease, LeaseChange
+from ..leases.model import Lease, LeaseChange, LeaseState
 from ..log import store_log
+from .wakes import JobWakes
 
 __all__ = [
     "JobView",
@@ -76,6 +77,16 @@ class Store(abc.ABC):
         """Told of each commit: how long it took and how many operations it held."""
         self.server = StoreServer()
         """The database server the store's decisions go to, as last connected."""
+        self.wakes = JobWakes()
+        """The claims waiting for a job, woken when it may be free: a release or a
+        completion committed, an in-flight record cleared (on PostgreSQL, a release or
+        completion through another proxy too)."""
+
+    def _woken_by(self, job: str, result: Lease | Refusal) -> None:
+        """Wake the job's waiting claims once ``result`` (a lease change, committed)
+        released or completed it."""
+        if isinstance(result, Lease) and result.state is not LeaseState.HELD:
+            self.wakes.wake(job)
 
     async def admit(self, write: FencedWrite) -> Decision:
         """Decide ``write``. Admitted, it takes the job's in-flight record for
@@ -167,7 +178,9 @@ class Store(abc.ABC):
         fence raised to its generation, so a late write of an older holder is refused
         by the proxy even before the new holder has written anything. A new generation
         is not handed out while the job's in-flight record is live; no admission runs
-        between the record's reading and the commit."""
+        between the record's reading and the commit. A release or completion wakes the
+        job's waiting claims (:attr:`wakes`), on every proxy of the store, once
+        committed."""
 
     @abc.abstractmethod
     async def lease(self, job: str) -> tuple[Lease | None, float]:

@@ -52,12 +52,20 @@ import asyncpg
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
-from ..leases.model import InFlightSummary, Lease, LeaseChange, decide_lease, decide_write
+from ..leases.model import (
+    InFlightSummary,
+    Lease,
+    LeaseChange,
+    LeaseState,
+    decide_lease,
+    decide_write,
+)
 from ..log import store_log
 from . import rows
 from .asyncpg_errors import ERRORS, failed, first, reconnects_in_one_line
 from .base import Decision, JobView, Store, StoreServer, key_not_held, to_completion
 from .batch import Batches
+from .wakes import JobWakes
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -348,6 +356,11 @@ ALTER TABLE inflight DROP CONSTRAINT inflight_pkey, ADD PRIMARY KEY (job, holder
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 _VERSION_TABLE = "fenceproxy_schema"
+# Where a release or completion of a job is told to every proxy (the payload: the job).
+_CHANNEL = "fenceproxy_jobs"
+# How often the listening connection is asked whether it is still there: a server gone
+# without a word (a partition) would leave it waiting for notifications that never come.
+_LISTEN_CHECK = 10.0
 # Any constant: migrations of one database take this advisory lock, one at a time.
 _MIGRATION_LOCK = 0x66656E6365
 
@@ -473,7 +486,11 @@ class PostgresStore(Store):
         acquire_timeout: float = 5.0,
         server: StoreServer | None = None,
         require_sync: bool = False,
+        listen: Callable[[], Awaitable[asyncpg.Connection]] | None = None,
     ) -> None:
+        """``listen`` opens the connection that listens for releases and completions
+        on other proxies (:class:`_Listener`); without it, only this proxy's wake its
+        waiting claims."""
         super().__init__()
         self.server = server or self.server
         self._require_sync = require_sync
@@ -485,6 +502,7 @@ class PostgresStore(Store):
         self._closing = False
         self._batches: Batches[_Op] = Batches(self._run_batch, name="fenceproxy-postgres-batches")
         self._start_purging(purge_interval)
+        self._listener = None if listen is None else _Listener(listen, self.wakes, where)
 
     @classmethod
     async def open(
@@ -543,6 +561,7 @@ class PostgresStore(Store):
             acquire_timeout=connect_timeout,
             server=server,
             require_sync=require_sync,
+            listen=lambda: asyncpg.connect(dsn, password=password, timeout=connect_timeout),
         )
 
     @classmethod
@@ -585,6 +604,7 @@ class PostgresStore(Store):
     async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
         op = _Op("end", write) if unknown_for is None else _Op("hold", write, unknown_for)
         await to_completion(self._submit(op))
+        self.wakes.wake(write.job)  # this proxy's claims only: another's poll
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         await to_completion(self._submit(_Op("complete", write, response=response)))
@@ -623,9 +643,13 @@ class PostgresStore(Store):
                     " ttl = excluded.ttl, state = excluded.state, updated_at = excluded.updated_at",
                     *rows.lease_row(result, now),
                 )
+                if result.state is not LeaseState.HELD:  # delivered at the commit
+                    await conn.execute("SELECT pg_notify($1, $2)", _CHANNEL, job)
             return result, float(now)
 
-        return await self._run(tx)
+        result, now = await self._run(tx)
+        self._woken_by(job, result)
+        return result, now
 
     async def lease(self, job: str) -> tuple[Lease | None, float]:
         async def tx(conn: _Conn) -> tuple[Lease | None, float]:
@@ -694,6 +718,9 @@ class PostgresStore(Store):
         if self._closing:
             return
         self._closing = True
+        self.wakes.close()
+        if self._listener is not None:
+            await self._listener.close()
         await self._stop_purging()
         await self._batches.close()
         await self._pool.close()
@@ -989,3 +1016,67 @@ def _unsafe(sync: asyncpg.Record) -> str | None:
 def _count(status: str) -> int:
     """The row count of a command status such as ``DELETE 3``."""
     return int(status.rsplit(" ", 1)[-1]) if status else 0
+
+
+class _Listener:
+    """The connection on which a proxy hears of releases and completions on the others
+    (LISTEN/NOTIFY), and wakes its own claims waiting for those jobs. Lost, it is
+    opened again (with a growing pause, up to 5 s), and every waiting claim is woken
+    once it listens again, since what it missed while away cannot be known. It is a
+    connection of its own, never the pool's: LISTEN is session state."""
+
+    def __init__(
+        self, connect: Callable[[], Awaitable[asyncpg.Connection]], wakes: JobWakes, where: str
+    ) -> None:
+        self._connect = connect
+        self._wakes = wakes
+        self._where = where
+        self._task = asyncio.create_task(self._listen(), name="fenceproxy-postgres-listen")
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    def _notified(
+        self, conn: _Conn | asyncpg.Connection, pid: int, channel: str, job: object
+    ) -> None:
+        self._wakes.wake(str(job))
+
+    async def _listen(self) -> None:
+        pause = 0.1
+        while True:
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await self._connect()
+                await conn.add_listener(_CHANNEL, self._notified)
+                self._wakes.wake_all()
+                pause = 0.1
+                while True:  # until it fails
+                    await asyncio.sleep(_LISTEN_CHECK)
+                    await conn.execute("SELECT 1", timeout=_LISTEN_CHECK)
+            except ERRORS as exc:
+                store_log.warning(
+                    "PostgreSQL store %s: not listening for other proxies' releases (%s: %s);"
+                    " trying again in %.1fs",
+                    self._where,
+                    type(exc).__name__,
+                    exc,
+                    pause,
+                )
+            finally:
+                if conn is not None:
+                    await _closed(conn)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+async def _closed(conn: asyncpg.Connection) -> None:
+    """Close ``conn``, however it is: one that does not close at once is terminated."""
+    try:
+        await asyncio.wait_for(conn.close(), timeout=1.0)
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
+    except Exception:
+        conn.terminate()

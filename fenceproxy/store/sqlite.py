@@ -332,8 +332,12 @@ class SQLiteStore(Store):
         # Not waited for: the record only ever holds its job back, so its clearing
         # need not be on disk before the answer goes out (after a crash the record is
         # back, and the job waits until it expires). It commits with the next batch,
-        # before any later operation of this store reads it.
-        self._enqueue(op).add_done_callback(_log_failure)
+        # before any later operation of this store reads it; a claim waiting for the
+        # job is woken then.
+        done = self._enqueue(op)
+        done.add_done_callback(_log_failure)
+        if self.wakes.watched(write.job):
+            done.add_done_callback(lambda _: self.wakes.wake(write.job))
 
     async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
         headers = json.dumps(response.headers)
@@ -380,7 +384,9 @@ class SQLiteStore(Store):
                 )
             return result, now
 
-        return await self._submit(op)  # type: ignore[no-any-return]
+        result, now = await self._submit(op)
+        self._woken_by(job, result)
+        return result, now
 
     async def lease(self, job: str) -> tuple[Lease | None, float]:
         def op(tx: _Batch) -> tuple[Lease | None, float]:
@@ -427,6 +433,7 @@ class SQLiteStore(Store):
         if self._closing:
             return
         self._closing = True
+        self.wakes.close()
         await self._stop_purging()
         await self._batches.close()
         await asyncio.get_running_loop().run_in_executor(self._thread, self._conn.close)
