@@ -14,7 +14,7 @@
         s3.upload_file("report.csv", "reports", "2026/12/report.csv")
         lease.complete()
 
-Every write the client sends (every method but GET, HEAD and OPTIONS: PutObject,
+Every write the client sends (every method but the safe ones, GET, HEAD ...: PutObject,
 UploadPart, CreateMultipartUpload, CompleteMultipartUpload, CopyObject,
 DeleteObject, ...) carries the lease's ``Fencing-Job`` and ``Fencing-Token`` and an
 ``Idempotency-Key``, all added before botocore signs it, so SigV4 covers them. Reads
@@ -56,7 +56,7 @@ from fenceproxy.errors import PROBLEM_BASE
 
 __all__ = ["FenceRefused", "fence_writes"]
 
-READS = frozenset({"GET", "HEAD", "OPTIONS"})
+READS = frozenset({"GET", "HEAD", "OPTIONS", "PROPFIND", "REPORT", "SEARCH"})
 """The methods the proxy passes unfenced by default (a route's ``fence.methods``)."""
 
 

@@ -133,7 +133,8 @@ class FenceSpec(_Model):
     """How a route reads fencing headers. Defaults match the lease client."""
 
     methods: tuple[str, ...] | None = None
-    """The fenced methods; None (the default) for every method but GET, HEAD, OPTIONS."""
+    """The fenced methods; None (the default) for every method but the safe ones: GET,
+    HEAD, OPTIONS, PROPFIND, REPORT, SEARCH (:data:`fenceproxy.fence.write.SAFE_METHODS`)."""
     job_header: str = "Fencing-Job"
     token_header: str = "Fencing-Token"
     key_header: str = "Idempotency-Key"

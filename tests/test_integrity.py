@@ -282,9 +282,9 @@ async def test_a_path_job_and_a_job_header_must_agree(port: int, raw_upstream: R
 @pytest.mark.parametrize(
     "method",
     ["POST", "PUT", "PATCH", "DELETE", "MKCOL", "PROPPATCH", "MOVE", "COPY", "LOCK", "UNLOCK",
-     "PURGE", "MERGE", "QUERY", "REPORT", "SEARCH", "TRACE", "LINK", "UNLINK"],
+     "PURGE", "MERGE", "QUERY", "TRACE", "LINK", "UNLINK", "MKCALENDAR", "ACL", "BIND"],
 )  # fmt: skip
-async def test_every_method_but_get_head_options_is_fenced_by_default(
+async def test_every_method_but_the_safe_ones_is_fenced_by_default(
     port: int, raw_upstream: RawUpstream, method: str
 ) -> None:
     answer = await send(port, request(method, "/billing/x"))
@@ -294,21 +294,37 @@ async def test_every_method_but_get_head_options_is_fenced_by_default(
     assert raw_upstream.received == []
 
 
-async def test_get_head_options_pass_unfenced(port: int, raw_upstream: RawUpstream) -> None:
-    for method in ("GET", "HEAD", "OPTIONS"):
-        assert (await send(port, request(method, "/billing/x", body=b""))).status == 200
-    assert [r.method for r in raw_upstream.received] == ["GET", "HEAD", "OPTIONS"]
+PROPFIND = b'<?xml version="1.0"?><propfind xmlns="DAV:"><allprop/></propfind>'
+
+
+async def test_the_safe_methods_pass_unfenced_with_their_bodies(
+    port: int, raw_upstream: RawUpstream
+) -> None:
+    """A WebDAV or CalDAV client lists (PROPFIND, REPORT, SEARCH: reads with a body)
+    with no token; a read that names a write in a method override is fenced."""
+    safe = ["GET", "HEAD", "OPTIONS", "PROPFIND", "REPORT", "SEARCH"]
+    for method in safe:
+        body = PROPFIND if method in ("PROPFIND", "REPORT", "SEARCH") else b""
+        assert (await send(port, request(method, "/billing/x", body=body))).status == 200
+    assert [r.method for r in raw_upstream.received] == safe
+    assert [r.body for r in raw_upstream.received[3:]] == [PROPFIND] * 3
+    override = [("X-HTTP-Method-Override", "DELETE")]
+    answer = await send(port, request("PROPFIND", "/billing/x", override, body=PROPFIND))
+    assert (answer.status, answer.slug) == (428, "fencing-header-missing")
+    assert len(raw_upstream.received) == len(safe)
 
 
 async def test_a_route_can_name_its_own_methods(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
+    fenced = {"methods": ["POST", "PROPFIND"]}
     proxy = await start_proxy(
-        [{"name": "r", "path": "/r", "upstream": raw_upstream.url, "fence": {"methods": ["POST"]}}]
+        [{"name": "r", "path": "/r", "upstream": raw_upstream.url, "fence": fenced}]
     )
     assert proxy.port is not None
     assert (await send(proxy.port, request("PUT", "/r/x"))).status == 200
     assert (await send(proxy.port, request("POST", "/r/x"))).status == 428
+    assert (await send(proxy.port, request("PROPFIND", "/r/x", body=PROPFIND))).status == 428
 
 
 @pytest.mark.parametrize("name", ["X-HTTP-Method-Override", "X-HTTP-Method", "x-method-override"])

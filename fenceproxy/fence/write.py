@@ -67,8 +67,10 @@ __all__ = [
     "read_write",
 ]
 
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-"""What a route fences by default is every method but these."""
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PROPFIND", "REPORT", "SEARCH"})
+"""What a route fences by default is every method but these: the methods the IANA HTTP
+method registry marks safe (PROPFIND, RFC 4918, REPORT, RFC 3253, and SEARCH, RFC 5323,
+are WebDAV's and CalDAV's reads, with a body), but TRACE, which stays fenced."""
 
 
 @dataclass(frozen=True, slots=True)

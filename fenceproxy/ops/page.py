@@ -28,6 +28,7 @@ from .._version import __version__
 from ..config import Config, Presented
 from ..errors import Refusal, StoreError
 from ..fence.fencing import parse_job
+from ..fence.write import SAFE_METHODS
 from ..store import Store
 from ..store.base import JobView
 from ..store.url import parse_store_url
@@ -221,7 +222,9 @@ def _route_rows(config: Config) -> str:
             fence = "pass-through"
         else:
             methods = (
-                ", ".join(r.fence.methods) if r.fence.methods else "all but GET, HEAD, OPTIONS"
+                ", ".join(r.fence.methods)
+                if r.fence.methods
+                else "all but " + ", ".join(sorted(SAFE_METHODS))
             )
             extra = [f"tokens {r.fence.tokens}"]
             if r.fence.check_lease:
