@@ -1,5 +1,5 @@
-"""The command line: ``fenceproxy serve | check-config | migrate | demo | keys | lease |
-jobs | chaos``."""
+"""The command line: ``fenceproxy serve | check-config | migrate | demo | stand-in | keys |
+lease | run | jobs | chaos``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .errors import (
 )
 from .jobs_cli import add_jobs_parser, run_jobs
 from .log import access_log, configure_logging, server_log
+from .run_cli import USAGE, add_run_parser, run_spec, run_under_lease
 from .units import parse_duration
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 # The commands that run the proxy or its store, and need its server libraries
 # (pip install 'fenceproxy[server]'); the others need only the client's.
-_SERVER_COMMANDS = frozenset({"serve", "check-config", "migrate", "demo", "chaos"})
+_SERVER_COMMANDS = frozenset({"serve", "check-config", "migrate", "demo", "stand-in", "chaos"})
 
 __all__ = ["main"]
 
@@ -114,6 +115,16 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     migrate.add_argument("--store", metavar="URL", help="override the file's store")
 
     commands.add_parser("demo", help="run the worked example on loopback")
+    stand_in = commands.add_parser(
+        "stand-in",
+        help="a stand-in for the API behind the proxy, to try the proxy with",
+        description="Answer every request 200 with a small JSON body, and print one line "
+        "per write received (the method, the path, the fencing headers and the body), "
+        "until SIGINT or SIGTERM: a write the proxy refused never shows.",
+    )
+    stand_in.add_argument(
+        "--listen", default="127.0.0.1:9000", metavar="HOST:PORT", help="default: %(default)s"
+    )
     keys = commands.add_parser(
         "keys",
         help="make a key for signed fencing tokens",
@@ -149,6 +160,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "--ttl", type=_duration, help="how long the lease lasts: 30, 30s, 500ms, 5m (claim, renew)"
     )
     add_jobs_parser(commands)
+    add_run_parser(commands, _duration)
     return parser, dict(commands.choices)
 
 
@@ -165,6 +177,7 @@ def _load(args: argparse.Namespace, keep: Mapping[str, Any] | None = None) -> Co
 
 def _serve(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .config import parse_listen
+    from .ops.admin import page_url
     from .server.app import notify_systemd, serve
     from .server.workers import Seat, supervise, worker_argv
     from .store.url import parse_store_url
@@ -187,9 +200,12 @@ def _serve(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> int
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as below
         return code
 
+    # The operator page is the supervisor's with workers: its own line names it.
+    page = page_url(config) if seat is None else None
+
     def listening() -> None:
         server_log.info(
-            "fenceproxy on %s://%s:%d, %d route(s), store: %s, %s%s",
+            "fenceproxy on %s://%s:%d, %d route(s), store: %s, %s%s%s",
             "http" if config.tls is None else "https",
             host,
             port,
@@ -197,6 +213,7 @@ def _serve(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> int
             parse_store_url(config.store).describe(),
             loop_name,
             "" if seat is None else f", worker {seat.index} of {config.workers}",
+            "" if page is None else f", operator page: {page}",
         )
         if seat is None:
             notify_systemd("READY=1")
@@ -281,6 +298,31 @@ def _lease(parser: argparse.ArgumentParser, args: argparse.Namespace, token: str
     return 0
 
 
+def _run(argv: Sequence[str]) -> int:
+    """``fenceproxy run``: a usage error exits 64 (EX_USAGE), not argparse's 2, which
+    could be the command's own exit code."""
+    parser, commands = _parser()
+    command = commands["run"]
+    try:
+        args = parser.parse_args(argv)
+        spec = run_spec(command, args, _lease_token(command, args))
+    except SystemExit as exc:  # --help, or a usage error
+        return USAGE if exc.code == 2 else 0
+    return run_under_lease(spec)
+
+
+def _stand_in(parser: argparse.ArgumentParser, listen: str) -> int:
+    from .stand_in import run_stand_in
+
+    try:
+        return asyncio.run(run_stand_in(listen))
+    except ValueError as exc:
+        parser.error(f"--listen: {exc}")
+    except ListenError as exc:
+        print(f"fenceproxy: cannot start: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in _SERVER_COMMANDS:
@@ -299,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .chaos import main as chaos_main  # only this command needs it
 
         return chaos_main(argv[1:])
+    if argv[:1] == ["run"]:
+        return _run(argv)
     if argv[:1] == ["serve"]:
         # Until serve handles it, SIGHUP (a reload) would end the process.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -309,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return asyncio.run(run_demo())
+    if args.command == "stand-in":
+        return _stand_in(command, args.listen)
     if args.command == "keys":
         from .fence.tokens import generate_key
 

@@ -202,7 +202,8 @@ class RecordingUpstream:
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         scheme = "http" if tls is None else "https"
-        upstream.url = f"{scheme}://{host}:{sock.getsockname()[1]}"
+        name = f"[{host}]" if ":" in host else host  # an IPv6 address
+        upstream.url = f"{scheme}://{name}:{sock.getsockname()[1]}"
         try:
             yield upstream
         finally:

@@ -3,12 +3,15 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
@@ -19,10 +22,13 @@ from fenceproxy.errors import Refusal
 from fenceproxy.fence.fencing import Admit, Busy, FencedWrite, Replay
 from fenceproxy.server.app import FenceProxy
 from fenceproxy.store import PostgresStore, Store
-from fenceproxy.testing import FakeClock, ProxyTestServer, RecordingUpstream
+from fenceproxy.testing import FakeClock, ProxyProcess, ProxyTestServer, RecordingUpstream
 
 from .nginx import NGINX, Nginx
 from .postgres import PostgresServer, required_postgres_bin, sql
+
+if TYPE_CHECKING:
+    from .s3 import Moto
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -51,6 +57,15 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     server = Nginx(tmp_path_factory.mktemp("nginx")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
+    """moto's S3 server for the module, checking signatures (tests/s3.py)."""
+    from .s3 import serve_moto  # boto3 is imported by the modules that drive S3 only
+
+    with serve_moto(tmp_path_factory.mktemp("moto")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -237,6 +252,24 @@ async def raw_request(port: int, data: bytes) -> bytes:
         return await reader.read()
     finally:
         writer.close()
+
+
+def write_decisions(proxy: ProxyProcess, job: str) -> list[dict[str, Any]]:
+    """The decisions a proxy process took on a job's writes, oldest first, as its
+    admin listener's ``/events`` tells them."""
+    events = httpx.get(f"{proxy.admin_url}/events", params={"job": job, "limit": 2000})
+    return [e for e in events.raise_for_status().json()["events"] if e["action"] == "write"]
+
+
+def run_under_lease(
+    proxy: ProxyProcess, job: str, script: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """The shell ``script`` under ``fenceproxy run JOB``, which claims the job from
+    ``proxy`` and gives the script the lease in its environment (``env`` and more)."""
+    runner = [sys.executable, "-m", "fenceproxy", "run", job, "--url", proxy.url]
+    return subprocess.run(
+        [*runner, "--", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 # CI runs the property tests on a fixed seed so a landing is reproducible; locally

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fenceproxy import cli
 from fenceproxy.config import parse_config
 from fenceproxy.errors import ConfigError
+from fenceproxy.ops.admin import page_url
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
 
 from .conftest import ProxyFactory, fenced
@@ -127,6 +128,18 @@ def test_the_admin_listener_is_loopback_by_default_and_apart_from_the_proxy() ->
         parse_config({"routes": routes, "listen": "127.0.0.1:9901"}, "f.yaml")
     with pytest.raises(ConfigError, match="admin: expected HOST:PORT"):
         parse_config({"routes": routes, "admin": 9901}, "f.yaml")
+
+
+def test_the_operator_pages_address_is_the_admin_listeners() -> None:
+    """The start line names the page as a browser reaches it: over TLS when the
+    listener has it, an IPv6 address in brackets, none without a listener."""
+    routes = [{"name": "b", "path": "/b/", "upstream": "http://127.0.0.1:9"}]
+    tls = {"cert": "admin.pem", "key": "admin-key.pem"}
+    pages = [
+        page_url(parse_config({"routes": routes, **top}, "f.yaml"))
+        for top in ({}, {"admin": "[::1]:9902", "admin_tls": tls}, {"admin": False})
+    ]
+    assert pages == ["http://127.0.0.1:9901/", "https://[::1]:9902/", None]
 
 
 async def test_a_running_proxy_serves_its_admin_listener_apart(

@@ -11,24 +11,21 @@ import hashlib
 import io
 import os
 import re
-import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
-import httpx
 import pytest
 import yaml
 from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from fenceproxy.client import Grant, LeaseLost, SyncLeaseClient
 from fenceproxy.testing import ProxyProcess, free_port
+
+from .s3 import Moto, route
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from fenced_boto3 import FenceRefused, fence_writes
@@ -37,62 +34,6 @@ pytestmark = pytest.mark.slow  # moto's server and a proxy, each a process
 
 MiB = 1024 * 1024
 FENCE_HEADERS = ("fencing-job", "fencing-token", "idempotency-key")
-
-
-@dataclass
-class Moto:
-    url: str
-    credentials: dict[str, str]
-
-    def client(self, url: str | None = None) -> Any:
-        """An S3 client, path-style, straight to moto or (``url``) through the proxy."""
-        config = Config(s3={"addressing_style": "path"}, retries={"mode": "standard"})
-        return boto3.client("s3", endpoint_url=url or self.url, region_name="us-east-1",
-                            config=config, **self.credentials)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[Moto]:
-    """moto's S3 server in a process of its own, checking every request's SigV4
-    signature (after the three calls that create its IAM user)."""
-    port = free_port()
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert server.poll() is None, "moto's server exited"
-            try:
-                httpx.get(f"{url}/moto-api/", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "moto's server did not start"
-                time.sleep(0.05)
-        credentials = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-        # The three calls taken without credentials: a real IAM user and its key.
-        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", **credentials)
-        iam.create_user(UserName="worker")
-        iam.put_user_policy(UserName="worker", PolicyName="s3", PolicyDocument=(
-            '{"Version": "2012-10-17", "Statement": '
-            '[{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
-        ))  # fmt: skip
-        key = iam.create_access_key(UserName="worker")["AccessKey"]
-        credentials = {"aws_access_key_id": key["AccessKeyId"],
-                       "aws_secret_access_key": key["SecretAccessKey"]}  # fmt: skip
-        yield Moto(url, credentials)
-    finally:
-        server.kill()
-        server.wait()
-
-
-def route(bucket: str, upstream: str) -> dict[str, Any]:
-    """The route the recipe's docstring describes, for one bucket."""
-    return {"name": bucket, "path": f"/{bucket}", "upstream": upstream, "max_body": "16MiB",
-            "host": "preserve", "paths": "exact"}  # fmt: skip
 
 
 @dataclass

@@ -98,7 +98,7 @@ def test_minimal_file_gives_documented_defaults(tmp_path: Path) -> None:
     assert route.max_body == 10 * 1024 * 1024
     assert (route.paths, route.host) == ("refuse", "upstream")
     assert route.fence is not None
-    assert route.fence.methods is None  # every method but GET, HEAD and OPTIONS
+    assert route.fence.methods is None  # every method but the safe ones (SAFE_METHODS)
     assert route.fence.job_header == "Fencing-Job"
     assert route.fence.token_header == "Fencing-Token"
     assert route.fence.key_header == "Idempotency-Key"

@@ -12,6 +12,8 @@ cannot drift from the code unnoticed:
   parser, each ``make`` target found in the Makefile, each script named found, each
   JSON body curl sends parsed;
 * ``json``: parsed; ``http``: a request line, header fields, and a JSON body parsed;
+* ``js`` and ``java``: excerpts of examples/worker.mjs and examples/Worker.java (which
+  tests/test_examples.py runs), each line found there, in the same order;
 * ``text``: shown (logs and output); only the names in it are checked, below.
 
 A block marked ``<!-- skip: why -->`` is not checked. Also: README.md stays a front
@@ -56,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Whose names and links are checked too: the threat model sends readers to code and tests.
 NAMED_PAGES = [*PAGES, ROOT / "THREAT_MODEL.md"]
-LANGUAGES = {"yaml", "python", "sh", "console", "json", "http", "text"}
+LANGUAGES = {"yaml", "python", "sh", "console", "json", "http", "text", "js", "java"}
 README_MAX_LINES = 250
 
 # What a fragment is merged into: config/minimal.yaml, as the docs show it.
@@ -299,6 +301,8 @@ def test_a_shell_block_runs_commands_that_exist(
             _parse_fenceproxy(argv[1:], block.where, monkeypatch)
         elif program.startswith("python") and argv[1:3] == ["-m", "fenceproxy"]:
             _parse_fenceproxy(argv[3:], block.where, monkeypatch)
+        elif program in ("node", "java") and len(argv) > 1:
+            assert (ROOT / argv[1]).is_file(), f"{block.where}: no program {argv[1]}"
         elif program.startswith("python") and len(argv) > 1 and argv[1].endswith(".py"):
             assert (ROOT / argv[1]).is_file(), f"{block.where}: no script {argv[1]}"
         elif program == "make":
@@ -337,6 +341,30 @@ def test_an_http_block_is_a_request(block: Block) -> None:
     assert len(names) == len(set(names)), f"{block.where}: a field given twice"
     if body.strip() and "content-type" in names:
         json.loads(body)
+
+
+# --- JavaScript and Java: excerpts of the examples that run -------------------------
+
+EXCERPTED = {"js": ROOT / "examples" / "worker.mjs", "java": ROOT / "examples" / "Worker.java"}
+
+
+@blocks_of(*EXCERPTED)
+def test_a_js_or_java_block_is_an_excerpt_of_its_example(block: Block) -> None:
+    """A ``js`` or ``java`` block shows lines of the example that tests/test_examples.py
+    runs, in its order (indented as the excerpt needs; a line ``// ...`` stands for
+    lines left out): what a page shows is what was tested."""
+    if block.marker == "skip":
+        pytest.skip(f"{block.where}: {block.why}")
+    source = [line.strip() for line in EXCERPTED[block.lang].read_text().splitlines()]
+    at = 0
+    for n, line in enumerate(block.code.splitlines(), block.line + 1):
+        if line.strip() in ("", "// ..."):
+            continue
+        try:
+            at = source.index(line.strip(), at) + 1
+        except ValueError:
+            name = EXCERPTED[block.lang].relative_to(ROOT)
+            pytest.fail(f"{block.path.name}:{n}: not in {name} (after the lines before it)")
 
 
 # --- The pages as a whole -----------------------------------------------------------

@@ -245,6 +245,25 @@ async def serving(
     await process.stop()
 
 
+async def test_the_start_line_names_the_operator_page(
+    serving: tuple[ProxyProcess, Path], workers: int
+) -> None:
+    """The line that says the proxy serves names where its operator page is, for an
+    operator who just started it: the process that serves the admin listener says so
+    (the proxy itself, or the supervisor of its workers), and no worker names a page
+    it does not serve."""
+    process = await serving[0].start()
+    page = f"operator page: {process.admin_url}/"
+    said = "workers serve" if workers > 1 else "fenceproxy on http"
+    await eventually(lambda: said in process.output())
+    lines = process.output().splitlines()
+    [line] = [line for line in lines if said in line]
+    assert line.endswith(f", {page}")
+    served = [line for line in lines if "fenceproxy on http" in line]
+    assert len(served) == workers
+    assert sum(page in line for line in served) == (workers == 1)
+
+
 async def test_a_browser_sent_to_the_admin_listener_under_another_name_reads_nothing(
     serving: tuple[ProxyProcess, Path],
 ) -> None:

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..config import Config
+from ..config import Config, parse_listen
 from ..errors import (
     AdminUnauthenticated,
     LeaseUnauthenticated,
@@ -51,9 +51,19 @@ from .metrics import Metrics
 from .page import add_page
 from .recent import KEPT
 
-__all__ = ["admin_app", "guard"]
+__all__ = ["admin_app", "guard", "page_url"]
 
 _MAX_PAGE = 1000
+
+
+def page_url(config: Config) -> str | None:
+    """The operator page's address (``http(s)://ADMIN/``), which the start line names;
+    None without an admin listener."""
+    if config.admin is None:
+        return None
+    host, port = parse_listen(config.admin)
+    name = f"[{host}]" if ":" in host else host
+    return f"{'http' if config.admin_tls is None else 'https'}://{name}:{port}/"
 
 
 def admin_app(

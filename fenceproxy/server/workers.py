@@ -58,7 +58,7 @@ from ..errors import ConfigError, ListenError, ProxyBusy, Refusal, RequestMalfor
 from ..http.edge import problem_response
 from ..leases.auth import LeaseCredentials
 from ..log import server_log
-from ..ops.admin import guard
+from ..ops.admin import guard, page_url
 from ..tls import reload_server
 
 __all__ = ["Seat", "merge_metrics", "supervise", "worker_argv"]
@@ -223,7 +223,13 @@ async def supervise(
             except OSError as exc:
                 reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
                 raise ListenError(f"cannot listen on {config.admin}: {reason}") from None
-        server_log.info("%d workers serve %s", len(workers), config.listen)
+        page = page_url(config)
+        server_log.info(
+            "%d workers serve %s%s",
+            len(workers),
+            config.listen,
+            "" if page is None else f", operator page: {page}",
+        )
         ready()
         return await _watch(workers, stop)
     finally:
