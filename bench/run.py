@@ -4,7 +4,7 @@ Starts on loopback a minimal aiohttp upstream (``bench/upstream.py``), nginx as 
 pass-through baseline (one worker, upstream keep-alive), and fenceproxy once per
 setup, each with its own store; then drives every setup with wrk (``-t1``, fenced
 POSTs of ``bench/load.lua``) in interleaved rounds, so machine noise hits them all
-alike. A 1 s warm-up before each measured run is discarded.
+alike. A 1 s warm-up before each measured run is discarded (``--warmup``).
 
 On two cores or more the server under test runs alone on core 0, and wrk and the
 upstream share core 1; "direct" moves the upstream to core 0 for its run. A ratio
@@ -13,7 +13,7 @@ server's on one core. CPU per request is the server's ``utime + stime`` from
 ``/proc`` over the run (PostgreSQL's processes included on that store) divided by
 the requests served: steadier than req/s, and where a target is missed it shows why.
 
-    python bench/run.py [--rounds 3] [--seconds 5] [--connections 32]
+    python bench/run.py [--rounds 3] [--seconds 5] [--connections 32] [--warmup 1]
                         [--no-postgres] [--only NAME,...] [--json FILE]
 
 Exits 1 when a setup answered anything but 2xx, or failed to start.
@@ -343,7 +343,7 @@ def pgbench(url: str, seconds: int, connections: int) -> dict[str, int]:
     }
 
 
-def measure(setup: Setup, seconds: int, connections: int) -> dict[str, float]:
+def measure(setup: Setup, seconds: int, connections: int, warmup: int = 1) -> dict[str, float]:
     def drive(seconds: int) -> list[dict[str, int]]:
         if setup.drive is not None:
             return [setup.drive(seconds, connections)]
@@ -351,7 +351,8 @@ def measure(setup: Setup, seconds: int, connections: int) -> dict[str, float]:
 
     setup.before()
     try:
-        drive(1)  # warm-up, discarded
+        if warmup:
+            drive(warmup)  # discarded
         pids, database = setup.pids(), setup.database_pids()
         cpu, database_cpu = cpu_seconds(pids), cpu_seconds(database)
         results = drive(seconds)
@@ -687,6 +688,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="seconds of load discarded before each run"
+    )
     parser.add_argument("--no-postgres", action="store_true", help="SQLite setups only")
     parser.add_argument("--only", help="comma-separated setup names (e.g. direct,nginx,fenced)")
     parser.add_argument("--json", metavar="FILE", help="also write every run's figures here")
@@ -701,7 +705,7 @@ def main() -> int:
     ):
         for n in range(args.rounds):
             for setup in table:
-                run = measure(setup, args.seconds, args.connections)
+                run = measure(setup, args.seconds, args.connections, args.warmup)
                 setup.runs.append(run)
                 print(
                     f"round {n + 1} {setup.name:<16} {run['rps']:>8,.0f} req/s "

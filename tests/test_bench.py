@@ -26,7 +26,7 @@ def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
     result = subprocess.run(
         [
             sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",
-            "--no-postgres", "--only", ",".join(setups), "--json", str(figures),
+            "--warmup", "0", "--no-postgres", "--only", ",".join(setups), "--json", str(figures),
         ],
         capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
@@ -53,7 +53,7 @@ def test_postgres_rows_count_the_database_apart_and_pgbench_runs_beside(tmp_path
     result = subprocess.run(
         [
             sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",
-            "--only", ",".join(setups), "--json", str(figures),
+            "--warmup", "0", "--only", ",".join(setups), "--json", str(figures),
         ],
         capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
