@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import asyncpg
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
@@ -807,6 +808,35 @@ async def test_a_release_through_one_proxy_wakes_a_claim_waiting_on_another(
     async with asyncio.timeout(4):
         granted = await ok(await claim)
     assert granted["generation"] == 2
+
+
+@pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
+async def test_a_proxy_listens_for_other_proxies_releases_once_a_claim_waits(
+    start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """Until then it holds its pool and nothing more; then one connection listens."""
+
+    async def listening() -> int:
+        conn = await asyncpg.connect(store_url)
+        try:
+            found = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN fenceproxy_jobs'"
+                " OR query LIKE 'LISTEN \"fenceproxy_jobs\"%'"
+            )
+            return int(found)
+        finally:
+            await conn.close()
+
+    leases = await start_proxy(leases=None)
+    a = await claimed(leases, "j", "a", ttl=30)
+    await ok(await release(leases, "j", "a", a["generation"]))
+    assert await listening() == 0
+    await claimed(leases, "j", "b", ttl=30)
+    claim = await waiting_claim(leases, "j", "c", 0.5)
+    async with asyncio.timeout(10):
+        while await listening() == 0:
+            await asyncio.sleep(0.01)
+    assert (await claim).status == 409
 
 
 # -- the pure decisions ------------------------------------------------------------

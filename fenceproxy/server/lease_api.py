@@ -213,6 +213,9 @@ class LeaseService:
         asked for: a grant came no earlier."""
         store = self._store()
         loop = asyncio.get_running_loop()
+        if wait <= 0:
+            asked = loop.time()
+            return (*await store.change_lease(job, change), asked)
         deadline, poll = loop.time() + wait, _POLL_FIRST
         while True:
             with store.wakes.watch(job) as woken:  # before the store is read

@@ -489,8 +489,8 @@ class PostgresStore(Store):
         listen: Callable[[], Awaitable[asyncpg.Connection]] | None = None,
     ) -> None:
         """``listen`` opens the connection that listens for releases and completions
-        on other proxies (:class:`_Listener`); without it, only this proxy's wake its
-        waiting claims."""
+        on other proxies (:class:`_Listener`), once a claim first waits; without it,
+        only this proxy's wake its waiting claims."""
         super().__init__()
         self.server = server or self.server
         self._require_sync = require_sync
@@ -502,7 +502,13 @@ class PostgresStore(Store):
         self._closing = False
         self._batches: Batches[_Op] = Batches(self._run_batch, name="fenceproxy-postgres-batches")
         self._start_purging(purge_interval)
-        self._listener = None if listen is None else _Listener(listen, self.wakes, where)
+        self._listener: _Listener | None = None
+        if listen is not None:
+
+            def start_listening() -> None:
+                self._listener = _Listener(listen, self.wakes, where)
+
+            self.wakes.first_watch = start_listening
 
     @classmethod
     async def open(
@@ -1020,10 +1026,11 @@ def _count(status: str) -> int:
 
 class _Listener:
     """The connection on which a proxy hears of releases and completions on the others
-    (LISTEN/NOTIFY), and wakes its own claims waiting for those jobs. Lost, it is
-    opened again (with a growing pause, up to 5 s), and every waiting claim is woken
-    once it listens again, since what it missed while away cannot be known. It is a
-    connection of its own, never the pool's: LISTEN is session state."""
+    (LISTEN/NOTIFY), and wakes its own claims waiting for those jobs: opened when a
+    claim first waits, so a proxy whose claims never wait holds no more than its pool.
+    Lost, it is opened again (with a growing pause, up to 5 s), and every waiting claim
+    is woken once it listens again, since what it missed while away cannot be known.
+    It is a connection of its own, never the pool's: LISTEN is session state."""
 
     def __init__(
         self, connect: Callable[[], Awaitable[asyncpg.Connection]], wakes: JobWakes, where: str

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["JobWakes"]
 
@@ -22,11 +22,14 @@ __all__ = ["JobWakes"]
 class JobWakes:
     """The futures of the claims watching each job, set when the job may have changed."""
 
-    __slots__ = ("_closed", "_watching")
+    __slots__ = ("_closed", "_watching", "first_watch")
 
     def __init__(self) -> None:
         self._watching: dict[str, set[asyncio.Future[None]]] = {}
         self._closed = False
+        self.first_watch: Callable[[], object] | None = None
+        """Called once, at the first watch: a backend that hears of other processes'
+        changes starts listening then, not before anyone waits."""
 
     @property
     def closed(self) -> bool:
@@ -41,6 +44,9 @@ class JobWakes:
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._closed:
             woken.set_result(None)
+        if (start := self.first_watch) is not None:
+            self.first_watch = None
+            start()
         watchers = self._watching.setdefault(job, set())
         watchers.add(woken)
         try:
