@@ -8,6 +8,9 @@ pure decisions of :mod:`fenceproxy.leases.model` on their own."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -787,6 +790,71 @@ async def test_a_wait_is_at_most_the_configured_longest(start_proxy: ProxyFactor
     async with asyncio.timeout(4):  # far less than the 60 s asked for
         refused = await call(client, "j", "claim", {"owner": "b", "wait": 60})
     assert refused.status == 409
+
+
+async def sent_and_reset(client: Client, job: str, body: dict[str, Any]) -> None:
+    """A claim sent whole, its client then gone (its connection reset, unread)."""
+    data = json.dumps(body).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    writer.write(
+        b"POST %s/%s/claim HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (PREFIX.encode(), job.encode(), len(data), data)
+    )
+    await writer.drain()
+    await eventually(lambda: store_of(client).wakes.watched(job) or not body.get("wait"))
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def test_a_waiting_claim_whose_client_left_is_never_granted(leases: Client) -> None:
+    """B stops waiting with its client: when A releases, the job is C's, not held for
+    the rest of a ttl by a claim nobody is told of."""
+    a = await claimed(leases, "j", "a", ttl=30)
+    await sent_and_reset(leases, "j", {"owner": "b", "ttl": 30, "wait": 30})
+    await eventually(lambda: not store_of(leases).wakes.watched("j"))
+    await ok(await release(leases, "j", "a", a["generation"]))
+    c = await claimed(leases, "j", "c", ttl=30)
+    assert c["generation"] == a["generation"] + 1
+
+
+async def test_a_claim_granted_after_its_client_left_is_given_back(leases: Client) -> None:
+    """Nobody can be told the job is theirs: the grant is released at once."""
+    await sent_and_reset(leases, "j", {"owner": "b", "ttl": 30})
+    recent = proxy_of(leases).metrics.recent
+    await eventually(lambda: [e.action for e in recent.after(0, "j")] == ["claim", "release"])
+    c = await claimed(leases, "j", "c", ttl=30)
+    assert c["generation"] == 2
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+async def test_a_claim_waiting_behind_a_write_asks_again_only_when_it_is_answered(
+    leases: Client, upstream: RecordingUpstream, clock: FakeClock
+) -> None:
+    """On a store no other proxy shares, every record is cleared by this proxy, which
+    wakes the claim: it does not poll meanwhile."""
+    a = await claimed(leases, "j", "a", ttl=30)
+    answer = upstream.hold()
+    write = asyncio.create_task(fenced(leases, "j", a["generation"], path="/billing/x"))
+    await upstream.wait_for(1)
+    clock.advance(31)  # the lease ran out; its write is at the upstream
+    store, asked = store_of(leases), []
+    change_lease = store.change_lease
+
+    async def counted(job: str, change: Any) -> Any:
+        asked.append(job)
+        return await change_lease(job, change)
+
+    store.change_lease = counted  # type: ignore[method-assign]
+    claim = await waiting_claim(leases, "j", "b", 30)
+    await asyncio.sleep(0.5)  # a poll would have asked again many times by now
+    assert asked == ["j"]
+    answer()
+    assert (await write).status == 200
+    async with asyncio.timeout(4):
+        granted = await ok(await claim)
+    assert granted["generation"] == a["generation"] + 2  # past the fence the wait raised
+    assert asked == ["j", "j"]
 
 
 @pytest.mark.parametrize("wait", [-1, "10", True])

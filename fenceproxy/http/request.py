@@ -9,6 +9,7 @@ to its caller: the version (1.1 or 1.0), RFC 9110's fields that must come once,
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, NamedTuple
 
 from multidict import CIMultiDictProxy
@@ -178,6 +179,10 @@ class Request:
         """The subject of the client certificate TLS verified on this request's
         connection (``{"CN": ...}``); empty without one."""
         return self._conn.subject
+
+    def client_gone(self) -> asyncio.Future[None]:
+        """Set once the client's connection is lost (see :meth:`.server.Connection.gone`)."""
+        return self._conn.gone()
 
     def send_continue(self) -> None:
         """``100 Continue``, once, to a client waiting for it before it sends its body;

@@ -356,6 +356,7 @@ class Connection(Flow):
         self._closing = False  # closed once the answers owed are sent
         self._stopped = False  # pipelined beyond MAX_AHEAD: what came after is unread
         self._lost = False
+        self._departed: asyncio.Future[None] | None = None  # made when a handler asks
         self._lingering: _Lingering | None = None
         self._lingered = False
 
@@ -436,8 +437,20 @@ class Connection(Flow):
         self._closing = True
         return True
 
+    def gone(self) -> asyncio.Future[None]:
+        """A future set once the client's connection is lost (already, if it is): a
+        handler that waits long (a claim's wait) stops for nobody. Not cancelled by
+        anyone who waits for it."""
+        if self._departed is None:
+            self._departed = self._loop.create_future()
+            if self._lost:
+                self._departed.set_result(None)
+        return self._departed
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True
+        if self._departed is not None and not self._departed.done():
+            self._departed.set_result(None)
         self._plane.closed(self)
         self._wait(None)
         if self._lingering is not None:  # the client is gone: nothing more to drop

@@ -16,9 +16,11 @@ in flight (``write-in-flight``), for up to that many seconds (at most
 ``leases.max_wait``), and asked again whenever the job may have changed: at once
 when its holder releases or completes it (the store wakes it, on PostgreSQL from
 any proxy: :mod:`fenceproxy.store.wakes`), when its lease runs out, and, for writes
-in flight, each time this proxy clears one of the job's records or, for another
-proxy's, on a short poll. It answers the grant as soon as there is one, or the last
-refusal when the wait is over or the proxy stops.
+in flight, each time this proxy clears one of the job's records or, on a store other
+proxies share, on a poll backing off from 10 to 500 ms. It answers the grant as soon
+as there is one, or the last refusal when the wait is over, the proxy stops or the
+client has gone (then nothing more is asked, and a grant nobody can be told of is
+released at once).
 
 With credentials configured (``leases.clients``), every call needs one
 (:mod:`fenceproxy.leases.auth`): 401 without, 403 for a job it does not cover. The
@@ -32,6 +34,7 @@ import asyncio
 import json
 import math
 import unicodedata
+from asyncio import FIRST_COMPLETED as FIRST
 from importlib.resources import files
 from typing import Annotated, Any
 from urllib.parse import unquote
@@ -66,9 +69,10 @@ from ..store import Store
 __all__ = ["LeaseService"]
 
 _MAX_BODY = 64 * 1024
-# A waiting claim asks again behind a write in flight after this, doubling up to the
-# cap: another proxy's record is cleared without a word to this one.
-_POLL_FIRST, _POLL_MAX = 0.005, 0.1
+# On a store other proxies share, a waiting claim asks again behind a write in flight
+# after this, doubling up to the cap: another proxy's record is cleared without a word
+# to this one. (This proxy's own wake it, and expire by themselves: their retry_after.)
+_POLL_FIRST, _POLL_MAX = 0.01, 0.5
 # A waiting claim asks again after this at the latest, whatever it was told: a wake
 # lost (a listening connection lost and opened again) costs no more.
 _RECHECK = 5.0
@@ -195,22 +199,32 @@ class LeaseService:
         ttl = self._ttl(body.ttl)
         wait = self._wait(body.wait)
         started = asyncio.get_running_loop().time()
+        gone = request.client_gone()
         outcome, now, asked = await self._waiting(
             job,
             lambda cur, fence, now: leasing.claim(cur, fence, job, owner, ttl, now),
             wait,
+            gone,
         )
         result = self._record("claim", job, owner, outcome)
         lease_log.info("claim %r by %r: generation %d", job, owner, result.generation)
+        if gone.done():  # nobody to tell it holds the job: it must not hold it
+            await self._change(
+                "release",
+                job,
+                owner,
+                lambda cur, fence, now: leasing.release(cur, job, owner, result.generation, now),
+            )
+            lease_log.info("claim %r by %r: its client left; released", job, owner)
         return self._answer(result, now, waited=asked - started if wait else None)
 
     async def _waiting(
-        self, job: str, change: leasing.LeaseChange, wait: float
+        self, job: str, change: leasing.LeaseChange, wait: float, gone: asyncio.Future[None]
     ) -> tuple[Lease | Refusal, float, float]:
         """A claim's outcome, asked again while the job is held or has a write in flight,
-        each time it may have changed, for up to ``wait`` seconds (see the module's
-        docstring); the store's clock, and when (on the loop's clock) the outcome was
-        asked for: a grant came no earlier."""
+        each time it may have changed, for up to ``wait`` seconds or until the client
+        is ``gone`` (see the module's docstring); the store's clock, and when (on the
+        loop's clock) the outcome was asked for: a grant came no earlier."""
         store = self._store()
         loop = asyncio.get_running_loop()
         if wait <= 0:
@@ -225,14 +239,15 @@ class LeaseService:
                 if not isinstance(outcome, LeaseHeld | WriteInFlight) or left <= 0:
                     return outcome, now, asked
                 pause = min(left, outcome.retry_after or _RECHECK, _RECHECK)
-                if isinstance(outcome, WriteInFlight):
+                if isinstance(outcome, WriteInFlight) and store.shared:
                     pause, poll = min(pause, poll), min(poll * 2, _POLL_MAX)
                 self._metrics.claims_waiting.inc()
                 try:
-                    await asyncio.wait((woken,), timeout=pause)
+                    await asyncio.wait((woken, gone), timeout=pause, return_when=FIRST)
                 finally:
                     self._metrics.claims_waiting.dec()
-                if store.wakes.closed:  # the proxy stops: answer what was last told
+                # The proxy stops, or nobody waits for the answer: what was last told.
+                if store.wakes.closed or gone.done():
                     return outcome, now, asked
 
     async def renew(self, request: Request, job: str, caller: LeaseCaller | None) -> Answer:

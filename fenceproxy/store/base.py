@@ -71,6 +71,9 @@ class Store(abc.ABC):
     highest version is this build's."""
     to_migrate: ClassVar[str]
     """What an operator does to bring a store at an older schema version up to date."""
+    shared: ClassVar[bool]
+    """Whether other processes write to it: their in-flight records are cleared without
+    a wake in this one."""
 
     def __init__(self) -> None:
         self.on_commit: Callable[[float, int], object] = lambda seconds, operations: None

@@ -472,6 +472,7 @@ class PostgresStore(Store):
     Open with :meth:`open`; the database must have been migrated first."""
 
     backend = "PostgreSQL"
+    shared = True
     migrations = _MIGRATIONS
     to_migrate = "run fenceproxy migrate -c FILE"
 

@@ -191,6 +191,7 @@ class SQLiteStore(Store):
     Open with :meth:`open`."""
 
     backend = "SQLite"
+    shared = False
     migrations = _MIGRATIONS
     to_migrate = "stop every proxy using it, then run: fenceproxy migrate -c FILE"
 
