@@ -879,6 +879,31 @@ async def test_a_release_through_one_proxy_wakes_a_claim_waiting_on_another(
 
 
 @pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
+async def test_a_release_missed_while_the_listening_connection_was_lost_still_wakes(
+    start_proxy: ProxyFactory, store_url: str
+) -> None:
+    """The listening connection is opened again as soon as the server closes it, and
+    every waiting claim asks again then: a release in between is not missed."""
+    one, other = await start_proxy(leases=None), await start_proxy(leases=None)
+    a = await claimed(one, "j", "a", ttl=30)
+    claim = await waiting_claim(other, "j", "b", 30)
+    conn = await asyncpg.connect(store_url)
+    try:
+        ended = 0
+        while not ended:  # the listener, once it listens
+            ended = await conn.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE query LIKE 'LISTEN %fenceproxy_jobs%'"
+            )
+    finally:
+        await conn.close()
+    await ok(await release(one, "j", "a", a["generation"]))  # told to nobody
+    async with asyncio.timeout(3):  # well before the claim would ask again by itself
+        granted = await ok(await claim)
+    assert granted["generation"] == 2
+
+
+@pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
 async def test_a_proxy_listens_for_other_proxies_releases_once_a_claim_waits(
     start_proxy: ProxyFactory, store_url: str
 ) -> None:

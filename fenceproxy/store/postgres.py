@@ -1057,13 +1057,18 @@ class _Listener:
             conn: asyncpg.Connection | None = None
             try:
                 conn = await self._connect()
+                lost = asyncio.Event()
+                conn.add_termination_listener(lambda _, lost=lost: lost.set())
                 await conn.add_listener(_CHANNEL, self._notified)
                 self._wakes.wake_all()
                 pause = 0.1
-                while True:  # until it fails
-                    await asyncio.sleep(_LISTEN_CHECK)
-                    await conn.execute("SELECT 1", timeout=_LISTEN_CHECK)
-            except ERRORS as exc:
+                while not lost.is_set():  # closed by the server, or silent: asked
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), _LISTEN_CHECK)
+                    if not lost.is_set():
+                        await conn.execute("SELECT 1", timeout=_LISTEN_CHECK)
+                raise ConnectionResetError("the server closed the connection")
+            except Exception as exc:  # whatever it was: never a listener gone silent
                 store_log.warning(
                     "PostgreSQL store %s: not listening for other proxies' releases (%s: %s);"
                     " trying again in %.1fs",

@@ -44,7 +44,7 @@ class JobWakes:
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._closed:
             woken.set_result(None)
-        if (start := self.first_watch) is not None:
+        if (start := self.first_watch) is not None and not self._closed:
             self.first_watch = None
             start()
         watchers = self._watching.setdefault(job, set())
