@@ -7,15 +7,18 @@ starts the command in a process group of its own with the lease in its environme
 client's rules. When the command exits, it releases the lease, or completes the job
 (``--complete-on-success``, on exit 0). SIGINT, SIGTERM and SIGHUP sent to ``run``
 are passed on to the command's group, and the lease is held while the command
-drains. When the lease is lost (a renewal refused, or none confirmed before the
-lease's local deadline), the group gets SIGTERM, then SIGKILL after ``--grace``:
+drains; what the command leaves running in its group when it exits is stopped
+(SIGTERM, then SIGKILL after ``--grace``) before the lease is given back. When the
+lease is lost (a renewal refused, or none confirmed before the lease's local
+deadline), the group gets SIGTERM, then SIGKILL after ``--grace``:
 nothing of the job outlives its lease by more than that.
 
 It exits with the command's code, or 128+N when signal N ended the command (as shells
 report it), 127 or 126 when the command could not be started (not found, not
 executable: as shells), or one of its own (:data:`USAGE` and those after it), none a
 shell's or a failed command's usual 1 or 2. Every message is one line on stderr,
-``fenceproxy run: job 'JOB' at generation N: why``.
+prefixed ``fenceproxy run:``, naming the job and why (its own: ``job 'JOB' at
+generation N: why``).
 
 Only the clients' library (httpx) is needed: ``pip install fenceproxy``.
 """
@@ -213,6 +216,15 @@ def _signal_group(group: int, signum: int) -> None:
         os.killpg(group, signum)
 
 
+def _alive(group: int) -> bool:
+    """Whether any process of ``group`` is left."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _exit_code(returncode: int) -> int:
     """A process's exit code as shells report it: 128+N when signal N ended it."""
     return 128 - returncode if returncode < 0 else returncode
@@ -297,12 +309,31 @@ class _Run:
             return 127 if isinstance(exc, FileNotFoundError) else 126
         self.group = process.pid
         try:
-            return _exit_code(await process.wait())
+            code = _exit_code(await process.wait())
+            await self._stop_left(process.pid)
+            self.group = None
+            return code
         except asyncio.CancelledError:
             why = "lease lost" if lease.lost else "cancelled"
             self.say(f"{why}: SIGTERM to the command, SIGKILL after {spec.grace:g}s")
             await self._stop(process)
             raise
+
+    async def _stop_left(self, group: int) -> None:
+        """What the command left running in its group (a child in the background) is
+        stopped before the lease is given back, as the command would be: SIGTERM, then
+        SIGKILL after ``--grace``. Nothing of the job writes on without a lease."""
+        if not _alive(group):
+            return
+        grace = self.spec.grace
+        self.say(f"the command left processes running: SIGTERM to them, SIGKILL after {grace:g}s")
+        _signal_group(group, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + grace
+        # No event says a group emptied: it is asked every 20 ms.
+        while _alive(group) and loop.time() < until:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        _signal_group(group, signal.SIGKILL)
 
     async def _stop(self, process: asyncio.subprocess.Process) -> None:
         """SIGTERM to the command's group, then SIGKILL once it exited or ``--grace``

@@ -156,6 +156,15 @@ class Runs:
                 await process.wait()
 
 
+def ended_for_good(pid: int) -> bool:
+    """Whether process ``pid`` is gone, or dead and waiting for its parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 async def ended(process: asyncio.subprocess.Process, within: float = 30) -> tuple[int, str, str]:
     """Its exit code, stdout and stderr, once it exited."""
     async with asyncio.timeout(within):
@@ -301,6 +310,22 @@ async def test_run_exits_128_plus_n_when_a_signal_ends_the_command(runs: Runs) -
     """As a shell reports it: 143 for a command ended by SIGTERM."""
     code, _, err = await ended(await runs.start("j", "--", "sh", "-c", "kill -TERM $$"))
     assert (code, err) == (128 + signal.SIGTERM, "")
+
+
+async def test_what_the_command_leaves_running_is_stopped_before_the_lease_is_released(
+    runs: Runs, proxy: ProxyProcess, http: aiohttp.ClientSession
+) -> None:
+    """A child the command left in the background (which would write on with the
+    token after the lease is given back) gets SIGTERM, then SIGKILL after --grace,
+    before run releases the lease."""
+    left = runs.folder / "left.pid"
+    command = f"sh -c 'trap \"\" TERM; echo $$ > {left}; exec sleep 60' & exit 0"
+    process = await runs.start("bg", "--grace", "0.2", "--", "sh", "-c", command)
+    code, _, err = await ended(process)
+    assert code == 0
+    assert "the command left processes running: SIGTERM to them, SIGKILL after 0.2s" in err
+    assert ended_for_good(int(left.read_text()))  # though it ignored SIGTERM
+    assert (await claim(http, proxy, "bg")).status == 200  # and the lease released
 
 
 async def test_run_exits_127_and_releases_when_the_command_is_not_found(
