@@ -281,7 +281,8 @@ async def test_both_clients_wait_alike(service: Client) -> None:
         leases.hold("job", owner="new", ttl=0.4, wait=30) as lease,
     ):
         assert lease.generation == 2
-        lease.check()  # not lost: its deadline counts from the grant
+        lease.check()  # not lost: its deadline counts from the grant, ...
+        assert lease.deadline <= time.monotonic() + 0.4  # ... which came before now
     await releasing
     assert slept == []
 
