@@ -319,7 +319,11 @@ async def test_what_the_command_leaves_running_is_stopped_before_the_lease_is_re
     token after the lease is given back) gets SIGTERM, then SIGKILL after --grace,
     before run releases the lease."""
     left = runs.folder / "left.pid"
-    command = f"sh -c 'trap \"\" TERM; echo $$ > {left}; exec sleep 60' & exit 0"
+    # The command exits once its child is under way (it told its pid, SIGTERM ignored).
+    command = (
+        f"sh -c 'trap \"\" TERM; echo $$ > {left}.tmp; mv {left}.tmp {left}; exec sleep 60' &"
+        f" while [ ! -s {left} ]; do sleep 0.01; done; exit 0"
+    )
     process = await runs.start("bg", "--grace", "0.2", "--", "sh", "-c", command)
     code, _, err = await ended(process)
     assert code == 0
