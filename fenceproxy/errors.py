@@ -3,6 +3,9 @@
     FenceProxyError
     ├── ConfigError                  a config file or option is wrong; names the file and key
     ├── ListenError                  the proxy cannot listen on its address (in use, not allowed)
+    ├── InvariantError               a bug: code used against its contract; never caught on purpose
+    │   ├── IllegalMove              a fenced write's attempt asked for a move its table lacks
+    │   └── IllegalConnectionMove    a client connection asked for a move its table lacks
     ├── StoreError                   the store failed; the proxy fails closed (503)
     │   └── StoreLocked              another process holds the SQLite store
     ├── LeaseError                   raised by the lease client
@@ -81,6 +84,7 @@ the HTTP layer renders them and the log records them.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, ClassVar
 
 __all__ = [
@@ -101,8 +105,11 @@ __all__ = [
     "FencingHeaderMissing",
     "HeaderTimeout",
     "IdempotencyKeyMalformed",
+    "IllegalConnectionMove",
+    "IllegalMove",
     "InsufficientStorage",
     "InternalError",
+    "InvariantError",
     "JobCompleted",
     "JobQuarantined",
     "KeyOtherCaller",
@@ -173,6 +180,34 @@ class ConfigError(FenceProxyError):
 
 class ListenError(FenceProxyError):
     """The proxy cannot listen on its address: it is in use, or not this host's."""
+
+
+class InvariantError(FenceProxyError):
+    """A bug: an object used against its contract (before it is open, by two readers
+    at once, after it was removed). Raised where ``assert`` would be, so that
+    ``python -O`` keeps it; nothing catches it on purpose, so the data plane logs it
+    with its traceback and answers 500 (:class:`InternalError`)."""
+
+
+class IllegalMove(InvariantError):
+    """An admitted write's attempt was asked for a move its transition table
+    (``fenceproxy.fence.write.TRANSITIONS``) does not list: ``event`` in ``state``."""
+
+    def __init__(self, state: enum.Enum, event: enum.Enum) -> None:
+        self.state = state
+        self.event = event
+        super().__init__(f"no move from {state.value!r} on {event.value!r}")
+
+
+class IllegalConnectionMove(InvariantError):
+    """A half of a client connection on the proxy's port was asked for a move its
+    table (``fenceproxy.http.connection_states.TRANSITIONS``) does not list: ``event``
+    in ``state``. Raised, never asserted, so ``python -O`` keeps it."""
+
+    def __init__(self, state: enum.Enum, event: enum.Enum) -> None:
+        self.state = state
+        self.event = event
+        super().__init__(f"no connection move from {state.value!r} on {event.value!r}")
 
 
 class StoreError(FenceProxyError):

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import LeaseLost, LeaseRefused, LeaseServiceError
+from .errors import InvariantError, LeaseLost, LeaseRefused, LeaseServiceError
 from .log import lease_log
 from .units import parse_duration
 
@@ -249,7 +249,8 @@ class _Run:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
-        assert task is not None, "run in a task"
+        if task is None:
+            raise InvariantError("run in a task")
         # A signal ignored when run started (nohup's SIGHUP) stays ignored, the
         # command's too, as it would be without run.
         handled = [s for s in _FORWARDED if signal.getsignal(s) is not signal.SIG_IGN]

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from .errors import BodySpoolFailed, InsufficientStorage, Refusal
+from .errors import BodySpoolFailed, InsufficientStorage, InvariantError, Refusal
 from .fence.fencing import Digest
 from .log import server_log
 
@@ -182,7 +182,8 @@ class SpoolFile:
             yield data
 
     async def _run(self, call: Callable[..., T], *args: Any) -> T:
-        assert not self._closing, "the body's file was removed"
+        if self._closing:
+            raise InvariantError("the body's file was removed")
         busy = self._busy = asyncio.get_running_loop().run_in_executor(None, call, *args)
         try:
             # Shielded: a cancelled request must not forget a thread still using the

@@ -37,6 +37,7 @@ from multidict import CIMultiDictProxy
 from yarl import URL
 
 from . import hdrs
+from .errors import InvariantError
 from .http.server import Listener
 from .server.app import FenceProxy
 
@@ -609,7 +610,8 @@ class ProxyProcess:
 
     async def restart(self, within: float = 20.0) -> ProxyProcess:
         """Start it again, same port and store, after it exited."""
-        assert self.process is None or self.process.returncode is not None
+        if self.process is not None and self.process.returncode is None:
+            raise InvariantError("restart() needs the proxy to have exited")
         return await self.start(within)
 
     def signal(self, signum: int) -> None:

@@ -100,8 +100,12 @@ def test_the_wheel_and_sdist_build_and_run_in_fresh_venvs(tmp_path: Path) -> Non
     assert {"fenceproxy/ops/static/page.js", "fenceproxy/ops/static/page.css",
             "fenceproxy/server/lease-api.json", "fenceproxy/client/core.py"} <= shipped  # fmt: skip
     assert not any(name.startswith("tests/") for name in shipped)
+    schemas = {str(p.relative_to(ROOT)) for p in ROOT.glob("fenceproxy/store/migrations/*/*.sql")}
+    assert len(schemas) >= 11  # each store's schema, one file per version
+    assert schemas <= shipped
     with tarfile.open(sdist) as tar:
         assert f"fenceproxy-{__version__}/fenceproxy/ops/static/page.js" in tar.getnames()
+        assert {f"fenceproxy-{__version__}/{name}" for name in schemas} <= set(tar.getnames())
 
     # A worker's venv: the client's lock, then the wheel alone.
     client = tmp_path / "client-venv"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import sqlite3
 import time
@@ -33,6 +34,7 @@ from fenceproxy.ops.metrics import Metrics
 from fenceproxy.store import PostgresStore, SQLiteStore, Store, migrate_store, open_store
 from fenceproxy.store import postgres as postgres_store
 from fenceproxy.store import sqlite as sqlite_store
+from fenceproxy.store.migrations import read_migrations
 from fenceproxy.testing import FakeClock
 
 from .conftest import admit
@@ -422,6 +424,62 @@ async def test_two_migrations_at_once_take_turns(fresh_postgres: str) -> None:
     results = await asyncio.gather(*(PostgresStore.migrate(fresh_postgres) for _ in range(4)))
     latest = postgres_store.SCHEMA_VERSION
     assert sorted(results) == [(0, latest)] + [(latest, latest)] * 3
+
+
+STORES = {"postgresql": postgres_store, "sqlite": sqlite_store}
+
+
+@pytest.mark.parametrize("backend", sorted(STORES))
+def test_each_schema_version_is_one_sql_file_of_the_package(backend: str) -> None:
+    """A store's schema is its folder of SQL files, one per version, none missing
+    between its first and its last: what it migrates with, the last being the version
+    it runs at."""
+    store = STORES[backend]
+    folder = Path(store.__file__).parent / "migrations" / backend
+    files = {int(file.stem): file.read_text(encoding="utf-8") for file in folder.glob("*.sql")}
+    assert sorted(files) == list(range(min(files), max(files) + 1))
+    assert files == store._MIGRATIONS
+    assert max(files) == store.SCHEMA_VERSION
+
+
+def test_a_migration_file_not_named_by_its_version_is_refused(tmp_path: Path) -> None:
+    """A file the store would never apply (``2.sql``, ``002-more.sql``) stops the store
+    from loading, rather than leaving a step of its schema out."""
+    (tmp_path / "001.sql").write_text("CREATE TABLE a (x integer);\n")
+    (tmp_path / "README").write_text("not a migration")
+    assert read_migrations(tmp_path) == {1: "CREATE TABLE a (x integer);\n"}
+    for name in ("2.sql", "002-more.sql"):
+        (tmp_path / name).write_text("CREATE TABLE b (x integer);\n")
+        with pytest.raises(ValueError, match=f"the migration '{name}' is not named by its version"):
+            read_migrations(tmp_path)
+        (tmp_path / name).unlink()
+
+
+async def applies_each_file_in_order(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Migrating the new store at ``url`` applies every version's file, each once, from
+    the first to the last, and says so version by version."""
+    backend = url.partition(":")[0]
+    store, name = STORES[backend], {"postgresql": "PostgreSQL", "sqlite": "SQLite"}[backend]
+    with caplog.at_level(logging.INFO, logger="fenceproxy.store"):
+        assert await migrate_store(url) == (0, store.SCHEMA_VERSION)
+    said = [r.getMessage() for r in caplog.records if "migrated to schema" in r.getMessage()]
+    versions = sorted(store._MIGRATIONS)
+    assert said == [f"{name} store migrated to schema version {v}" for v in versions]
+
+
+async def test_migrating_a_new_sqlite_file_applies_each_versions_file_in_order(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new SQLite file goes through every version's file, in order, once each."""
+    await applies_each_file_in_order(f"sqlite:///{tmp_path / 'new.db'}", caplog)
+
+
+async def test_migrating_a_new_postgres_database_applies_each_versions_file_in_order(
+    fresh_postgres: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new PostgreSQL database goes through every version's file, in order, once
+    each."""
+    await applies_each_file_in_order(fresh_postgres, caplog)
 
 
 async def test_an_unreachable_postgres_is_a_clear_error(

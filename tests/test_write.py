@@ -14,6 +14,8 @@ from fenceproxy.errors import (
     FencingHeaderMalformed,
     FencingHeaderMissing,
     IdempotencyKeyMalformed,
+    IllegalMove,
+    InvariantError,
     JobQuarantined,
     MethodOverrideMalformed,
     UpstreamFailed,
@@ -22,11 +24,15 @@ from fenceproxy.errors import (
 )
 from fenceproxy.fence.fencing import SHARED_SCOPE, FencedWrite, StoredResponse
 from fenceproxy.fence.write import (
+    SETTLING,
     TRANSITIONS,
     TURN_SLACK,
     Attempt,
     Event,
+    KeyFate,
     Reading,
+    RecordFate,
+    Settling,
     State,
     read_write,
 )
@@ -259,13 +265,19 @@ def test_an_unkeyed_write_not_sent_records_nothing() -> None:
 
 @pytest.mark.parametrize("move", ["send", "answer"])
 def test_a_move_the_table_does_not_list_is_a_bug(move: str) -> None:
+    """A move the table lacks (a send or an answer after the answer) raises
+    IllegalMove, under ``python -O`` too, and leaves the attempt where it was."""
     a = sending()
     a.answered(200)
-    with pytest.raises(AssertionError):
+    with pytest.raises(IllegalMove) as raised:
         if move == "send":
             a.send(ADMITTED_AT)
         else:
             a.answered(200)
+    event = Event.SEND if move == "send" else Event.ANSWER
+    assert (raised.value.state, raised.value.event) == (State.ANSWERED, event)
+    assert isinstance(raised.value, InvariantError)
+    assert a.state is State.ANSWERED
 
 
 def test_every_state_ends_and_the_final_states_stay_put() -> None:
@@ -279,3 +291,55 @@ def test_every_state_ends_and_the_final_states_stay_put() -> None:
     }
     final = {State.ANSWERED, State.NOT_SENT, State.UNKNOWN}
     assert all(before not in final or event is Event.END for before, event in TRANSITIONS)
+
+
+FINAL = {State.ANSWERED, State.NOT_SENT, State.UNKNOWN}
+
+
+@pytest.mark.parametrize(
+    ("state", "row"),
+    [
+        (State.ANSWERED, Settling(KeyFate.COMPLETED, RecordFate.CLEARED, cut=False)),
+        (State.NOT_SENT, Settling(KeyFate.FORGOTTEN, RecordFate.CLEARED, cut=False)),
+        (State.UNKNOWN, Settling(KeyFate.UNKNOWN, RecordFate.HELD, cut=True)),
+    ],
+    ids=["answered", "not-sent", "unknown"],
+)
+def test_each_final_state_settles_as_its_row(state: State, row: Settling) -> None:
+    """An answered write's key keeps its answer and frees the job; one never sent
+    releases its key and frees the job; one in doubt is cut, its key marked unknown
+    and the job held: the settlement table says so, row by row."""
+    assert SETTLING[state] == row
+
+
+def test_the_settlement_table_has_exactly_the_final_states() -> None:
+    """Every state an attempt can end in is settled, and only those."""
+    assert set(SETTLING) == FINAL == {TRANSITIONS[state, Event.END] for state in State}
+
+
+REACH = {
+    State.ANSWERED: lambda a: (a.send(ADMITTED_AT), a.answered(201, HEADERS, b"{}")),
+    State.NOT_SENT: lambda a: None,
+    State.UNKNOWN: lambda a: a.send(ADMITTED_AT),
+}
+
+
+@pytest.mark.parametrize("state", sorted(FINAL, key=lambda s: s.value), ids=lambda s: s.value)
+@pytest.mark.parametrize("key", ["k", None], ids=["keyed", "unkeyed"])
+def test_an_attempt_ends_as_its_final_states_row_says(state: State, key: str | None) -> None:
+    """What the store is asked for at a turn's end is read from the table: the key's
+    fate (nothing for an unkeyed write), the record cleared or held for the route's
+    quarantine, and the exchange cut before either."""
+    a = attempt(key)
+    REACH[state](a)
+    ending = a.end()
+    row = SETTLING[state]
+    settled = {
+        KeyFate.COMPLETED: StoredResponse(201, HEADERS, b"{}"),
+        KeyFate.FORGOTTEN: "forget",
+        KeyFate.UNKNOWN: "unknown",
+    }
+    assert ending.state is state
+    assert ending.key == (None if key is None else settled[row.key])
+    assert ending.unknown_for == (7 if row.record is RecordFate.HELD else None)
+    assert ending.cut is row.cut

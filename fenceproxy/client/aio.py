@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..errors import LeaseLost
+from ..errors import InvariantError, LeaseLost
 from .adapter import send_async
 from .base import Held, LeaseAPI
 from .core import Call, Grant, Holding
@@ -145,7 +145,8 @@ class HeldLease(Held[LeaseClient]):
 
     async def __aenter__(self) -> HeldLease:
         self._task = asyncio.current_task()
-        assert self._task is not None, "hold() needs a running task"
+        if self._task is None:
+            raise InvariantError("hold() needs a running task")
         self._cancelling = self._task.cancelling()
         await run_async(self._flows.enter(self._holding, self._wait), self._io)
         return self

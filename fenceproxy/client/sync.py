@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import httpx
 
+from ..errors import InvariantError
 from .adapter import send
 from .base import Held, LeaseAPI
 from .core import Call, Grant, Holding
@@ -52,7 +53,8 @@ class SyncLeaseClient(
         self.close()
 
     def _send(self, call: Call) -> Reply:
-        assert self._http is not None, "made with the client"
+        if self._http is None:
+            raise InvariantError("made with the client")
         return send(self._http, call, self.endpoint.base)
 
     def _new_http(self) -> httpx.Client:

@@ -26,6 +26,7 @@ from ..errors import (
     DuplicateRejected,
     FencingHeaderMalformed,
     IdempotencyKeyMalformed,
+    InvariantError,
     KeyOtherCaller,
     KeyReused,
     MethodOverrideMalformed,
@@ -347,7 +348,8 @@ def decide(
 def _decide_key(write: FencedWrite, key: KeyRecord) -> Replay | Refusal:
     """What a key on record says of a write that came with it (see :func:`decide`):
     whose it is and whether the request is the same first, then what became of it."""
-    assert write.key is not None
+    if write.key is None:
+        raise InvariantError("a key on record for a write that came without one")
     if key.scope == UNSCOPED or not hmac.compare_digest(key.scope, write.scope):
         return KeyOtherCaller(
             "this Idempotency-Key is on record for another caller; send a key of your own",

@@ -17,9 +17,11 @@ so the proxy can log and count it.
                                                broken after sending)--> unknown
 
 :data:`TRANSITIONS` is the whole table; every move goes through it, and an event it
-does not list is a bug (:class:`AssertionError`). :meth:`Attempt.end` says what its
-final state asks of the store (:class:`Ending`): what to record for the key, and
-whether to clear the job's in-flight record or hold it, the outcome being unknown.
+does not list is a bug (:class:`~fenceproxy.errors.IllegalMove`). :data:`SETTLING`
+is the second table: what each final state asks of the store, which
+:meth:`Attempt.end` reads into an :class:`Ending`: what becomes of the key, whether
+the job's in-flight record is cleared or held (the outcome being unknown), and
+whether the exchange is cut first.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .. import hdrs
 from ..errors import (
     FencingHeaderMalformed,
     FencingHeaderMissing,
+    IllegalMove,
     JobQuarantined,
     Refusal,
     UpstreamError,
@@ -53,6 +56,7 @@ from .tokens import SigningKeys, read_token
 
 __all__ = [
     "SAFE_METHODS",
+    "SETTLING",
     "TRANSITIONS",
     "TURN_SLACK",
     "Attempt",
@@ -60,8 +64,11 @@ __all__ = [
     "Event",
     "Fence",
     "FencedRoute",
+    "KeyFate",
     "Reading",
+    "RecordFate",
     "Settlement",
+    "Settling",
     "State",
     "in_flight_for",
     "read_write",
@@ -292,24 +299,61 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 }
 """Every move an attempt can make; the states on the right of an END are final."""
 
+
+class KeyFate(enum.Enum):
+    """What a keyed write's key becomes in the store when its attempt ends."""
+
+    COMPLETED = "completed"
+    """Its answer is stored: a duplicate gets it replayed, or is refused."""
+    FORGOTTEN = "forgotten"
+    """Released: none of the write was sent, so the key may come again as new."""
+    UNKNOWN = "unknown"
+    """Sent without an answer: a duplicate is refused, its outcome being unknown."""
+
+
+class RecordFate(enum.Enum):
+    """What becomes of the job's in-flight record when the attempt ends."""
+
+    CLEARED = "cleared"
+    """The job's next write may go at once."""
+    HELD = "held"
+    """Kept for the route's quarantine, marked unknown: the upstream may still apply
+    the write, and no later write of the job may overtake it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settling:
+    """What a final state asks of the store, in this order: ``cut``, the exchange is
+    aborted first (so no more of it reaches the upstream); ``key``, what a keyed
+    write's key becomes; ``record``, what becomes of the job's in-flight record."""
+
+    key: KeyFate
+    record: RecordFate
+    cut: bool
+
+
+SETTLING: dict[State, Settling] = {
+    State.ANSWERED: Settling(KeyFate.COMPLETED, RecordFate.CLEARED, cut=False),
+    State.NOT_SENT: Settling(KeyFate.FORGOTTEN, RecordFate.CLEARED, cut=False),
+    State.UNKNOWN: Settling(KeyFate.UNKNOWN, RecordFate.HELD, cut=True),
+}
+"""Every final state, and what it asks of the store."""
+
 Settlement = StoredResponse | Literal["forget", "unknown"]
 """What a keyed write's key becomes: its answer, released (never sent), or unknown."""
 
 
 @dataclass(frozen=True, slots=True)
 class Ending:
-    """What an attempt's final state asks of the store, in this order: ``key``, what to
-    record for the key (None: unkeyed); then the job's in-flight record, cleared, or
-    with ``unknown_for`` held that many seconds, marked unknown (its exchange is
-    first cut, so no more of it reaches the upstream)."""
+    """One attempt's :class:`Settling`, made concrete: ``key``, what to record for the
+    key (None: unkeyed); ``unknown_for``, None when the job's in-flight record is
+    cleared, else the seconds it is held, marked unknown; ``cut``, whether the
+    exchange is aborted before either."""
 
     state: State
     key: Settlement | None
     unknown_for: float | None
-
-    @property
-    def cut(self) -> bool:
-        return self.unknown_for is not None
+    cut: bool
 
 
 class Attempt:
@@ -330,7 +374,7 @@ class Attempt:
     def send(self, now: float) -> None:
         """About to send at ``now``. Stalled past the slack since the record was taken,
         the write is not sent (it could reach the upstream after its record expired):
-        JobQuarantined, to retry it."""
+        JobQuarantined, to retry it. IllegalMove unless it was admitted and not sent."""
         if now - self._recorded_at > TURN_SLACK:
             self._go(Event.STALL)
             raise JobQuarantined(
@@ -345,26 +389,36 @@ class Attempt:
         *, whole: bool = True,
     ) -> None:  # fmt: skip
         """The upstream answered; for a keyed write ``headers`` and ``body`` are what a
-        replay gives back, the body only when ``whole`` (not larger than the cap)."""
+        replay gives back, the body only when ``whole`` (not larger than the cap).
+        IllegalMove unless it was sending."""
         self._go(Event.ANSWER)
         self._answer = StoredResponse(status, headers, body if whole else None)
 
     def end(self, error: BaseException | None = None) -> Ending:
-        """The turn ends, on ``error`` if one was raised. An upstream error that says
-        nothing was sent gives the write back; anything else while sending leaves its
-        outcome unknown."""
+        """The turn ends, on ``error`` if one was raised: what its final state asks of
+        the store (:data:`SETTLING`). An upstream error that says nothing was sent
+        gives the write back; anything else while sending leaves its outcome unknown.
+        Every state ends, so this never raises."""
         if isinstance(error, UpstreamError) and not error.sent and self.state is State.SENDING:
             self._go(Event.NOT_SENT)
         state = self._go(Event.END)
-        keyed = self.write.key is not None
-        if state is State.ANSWERED:
-            return Ending(state, self._answer if keyed else None, None)
-        if state is State.NOT_SENT:
-            return Ending(state, "forget" if keyed else None, None)
-        return Ending(state, "unknown" if keyed else None, self._quarantine)
+        settling = SETTLING[state]
+        held = settling.record is RecordFate.HELD
+        return Ending(
+            state, self._key(settling.key), self._quarantine if held else None, settling.cut
+        )
+
+    def _key(self, fate: KeyFate) -> Settlement | None:
+        """What to record for the key: nothing for an unkeyed write."""
+        if self.write.key is None:
+            return None
+        if fate is KeyFate.COMPLETED:
+            return self._answer
+        return "forget" if fate is KeyFate.FORGOTTEN else "unknown"
 
     def _go(self, event: Event) -> State:
         moved = TRANSITIONS.get((self.state, event))
-        assert moved is not None, f"no move from {self.state} on {event}"
+        if moved is None:
+            raise IllegalMove(self.state, event)
         self.state = moved
         return moved

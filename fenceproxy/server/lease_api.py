@@ -44,6 +44,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from ..config import LeasesSpec
 from ..errors import (
+    InvariantError,
     LeaseHeld,
     LeaseNotFound,
     LeaseRequestInvalid,
@@ -363,7 +364,8 @@ class LeaseService:
         return min(wait, self.spec.max_wait)
 
     def _store(self) -> Store:
-        assert self.store is not None, "the lease service runs only inside a started app"
+        if self.store is None:
+            raise InvariantError("the lease service runs only inside a started app")
         return self.store
 
     def _answer(

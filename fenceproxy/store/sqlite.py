@@ -52,6 +52,7 @@ from ..log import store_log
 from . import rows, sqlite_errors
 from .base import Decision, JobView, Store, key_not_held
 from .batch import Batches
+from .migrations import SCHEMAS, read_migrations
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -59,115 +60,9 @@ T = TypeVar("T")
 _Op = Callable[["_Batch"], Any]
 
 _FENCE_CACHE_MAX = 100_000
-# Each version's statements, applied in order inside one transaction; a new file
-# gets them all. Version 3 is the first released schema.
-_MIGRATIONS: dict[int, str] = {
-    3: """
-CREATE TABLE IF NOT EXISTS fences (
-    job         TEXT PRIMARY KEY,
-    generation  INTEGER NOT NULL,
-    updated_at  REAL NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS idempotency_keys (
-    route       TEXT NOT NULL,
-    job         TEXT NOT NULL,
-    key         TEXT NOT NULL,
-    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
-    fingerprint BLOB NOT NULL,
-    generation  INTEGER NOT NULL,
-    status      INTEGER,
-    headers     TEXT,
-    body        BLOB,
-    created_at  REAL NOT NULL,
-    expires_at  REAL NOT NULL,
-    PRIMARY KEY (route, job, key)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);
-CREATE TABLE IF NOT EXISTS leases (
-    job         TEXT PRIMARY KEY,
-    owner       TEXT NOT NULL,
-    generation  INTEGER NOT NULL,
-    lease_until REAL NOT NULL,
-    ttl         REAL NOT NULL,
-    state       TEXT NOT NULL CHECK (state IN ('held', 'released', 'completed')),
-    updated_at  REAL NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (
-    key         TEXT PRIMARY KEY,
-    value       REAL NOT NULL
-) WITHOUT ROWID;
-""",
-    # In-flight records per job replace the whole-store crash hold: a key in flight
-    # belongs to the write holding its job's record (``holder``). Keys left in flight
-    # by a version-3 process cannot be tied to one, so they read as unknown.
-    4: """
-CREATE TABLE inflight (
-    job         TEXT PRIMARY KEY,
-    holder      TEXT NOT NULL,
-    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'unknown')),
-    expires_at  REAL NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX inflight_expiry ON inflight (expires_at);
-ALTER TABLE idempotency_keys ADD COLUMN holder TEXT;
-UPDATE idempotency_keys SET state = 'unknown' WHERE state = 'in_flight';
-DROP TABLE meta;
-""",
-    # A key is its job's, whatever route it came by: renaming a route (a reload, say)
-    # must not let a retried write through as new. Where one key of a job was used on
-    # two routes, the newest stays.
-    5: """
-CREATE TABLE idempotency_keys_of_jobs (
-    job         TEXT NOT NULL,
-    key         TEXT NOT NULL,
-    route       TEXT NOT NULL,
-    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
-    fingerprint BLOB NOT NULL,
-    generation  INTEGER NOT NULL,
-    holder      TEXT,
-    status      INTEGER,
-    headers     TEXT,
-    body        BLOB,
-    created_at  REAL NOT NULL,
-    expires_at  REAL NOT NULL,
-    PRIMARY KEY (job, key)
-) WITHOUT ROWID;
-INSERT INTO idempotency_keys_of_jobs (job, key, route, state, fingerprint, generation,
-    holder, status, headers, body, created_at, expires_at)
-SELECT job, key, route, state, fingerprint, generation, holder, status, headers, body,
-    created_at, expires_at
-FROM idempotency_keys k WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys o
-    WHERE o.job = k.job AND o.key = k.key
-    AND (o.created_at > k.created_at OR (o.created_at = k.created_at AND o.route > k.route)));
-DROP TABLE idempotency_keys;
-ALTER TABLE idempotency_keys_of_jobs RENAME TO idempotency_keys;
-CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
-""",
-    # A key is its caller's (fenceproxy.fence.fencing.scope). Keys stored before have no
-    # caller: the empty scope matches none, so their answers are replayed to nobody.
-    6: """
-ALTER TABLE idempotency_keys ADD COLUMN scope BLOB NOT NULL DEFAULT x'';
-""",
-    # A job's in-flight records are a set, one per write that may be at the upstream
-    # (fenceproxy.leases.model.in_the_way): writes of one generation on a route in
-    # generation order go together. A record from before holds its job as it did,
-    # alone, until it expires.
-    7: """
-CREATE TABLE inflight_writes (
-    job         TEXT NOT NULL,
-    holder      TEXT NOT NULL,
-    state       TEXT NOT NULL CHECK (state IN ('in_flight', 'unknown')),
-    expires_at  REAL NOT NULL,
-    generation  INTEGER NOT NULL,
-    shared      INTEGER NOT NULL CHECK (shared IN (0, 1)),
-    PRIMARY KEY (job, holder)
-) WITHOUT ROWID;
-INSERT INTO inflight_writes (job, holder, state, expires_at, generation, shared)
-SELECT job, holder, state, expires_at, 0, 0 FROM inflight;
-DROP TABLE inflight;
-ALTER TABLE inflight_writes RENAME TO inflight;
-CREATE INDEX inflight_expiry ON inflight (expires_at);
-""",
-}
+# Each version's statements (migrations/sqlite/NNN.sql), applied in order inside one
+# transaction; a new file gets them all. Version 3 is the first released schema.
+_MIGRATIONS = read_migrations(SCHEMAS / "sqlite")
 SCHEMA_VERSION = max(_MIGRATIONS)
 # A key past its time still counts while it is in flight for a write holding its
 # job's in-flight record: that write may yet be applied.

@@ -1,72 +1,54 @@
-"""The YAML config as small immutable models, validated once at start-up.
+"""The config file's schema: small immutable models, one per section, validated once
+at start-up, and the values several sections share (durations, sizes, listen
+addresses).
 
-Every error names the file, the key (``routes[0].upstream``) and what is wrong, and
-is raised as :class:`~fenceproxy.errors.ConfigError`. Nothing here is re-checked per
-request: :mod:`fenceproxy.http.routes` compiles the validated routes once.
+A value the schema refuses raises pydantic's ValidationError, which
+:func:`~fenceproxy.config.loading.parse_config` turns into a ConfigError naming the
+file and the key. Nothing here is re-checked per request:
+:mod:`fenceproxy.http.routes` compiles the validated routes once.
 """
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import os
 import re
-import ssl
-import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 from yarl import URL
 
-from .errors import ConfigError
-from .fence.fencing import DEFAULT_SCOPE_HEADERS
-from .fence.tokens import KEY_ID, SigningKeys, decode_key
-from .leases.auth import SECRET, LeaseCredentials
-from .spool import SpoolFolder, default_folder
-from .store.url import absolute_store_url, parse_store_url
-from .tls import (
-    Certificate,
-    ClientTLS,
-    ServerTLS,
-    client_context,
-    parse_subject,
-    read_certificate,
-    server_context,
-)
-from .units import parse_duration, parse_size
+from ..fence.fencing import DEFAULT_SCOPE_HEADERS
+from ..fence.tokens import KEY_ID
+from ..store.url import parse_store_url
+from ..tls import ClientTLS, ServerTLS, parse_subject
+from ..units import parse_duration, parse_size
 
 __all__ = [
+    "AdminClientSpec",
     "Config",
     "FenceSpec",
     "IdempotencySpec",
     "LeaseClientSpec",
     "LeasesSpec",
     "LimitsSpec",
+    "ListenerTlsSpec",
     "RouteSpec",
+    "SecretSpec",
     "SigningKeySpec",
     "SigningSpec",
-    "lease_credentials",
-    "load_config",
-    "parse_config",
+    "UpstreamTlsSpec",
+    "is_loopback",
     "parse_listen",
-    "signing_keys",
 ]
-
-T = TypeVar("T")
-S = TypeVar("S", bound="_SecretSpec")
 
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
@@ -339,7 +321,7 @@ class UpstreamTlsSpec(_Model):
         return ClientTLS(self.ca, self.cert, self.key, self.server_name, self.verify)
 
 
-class _SecretSpec(_Model):
+class SecretSpec(_Model):
     """A secret read from the environment or a file, never from the config itself."""
 
     env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -347,13 +329,13 @@ class _SecretSpec(_Model):
     """Relative to the config file's folder."""
 
     @model_validator(mode="after")
-    def _one_source(self) -> _SecretSpec:
+    def _one_source(self) -> SecretSpec:
         if (self.env is None) == (self.file is None):
             raise ValueError("give exactly one of env (a variable's name) or file (a path)")
         return self
 
 
-class LeaseClientSpec(_SecretSpec):
+class LeaseClientSpec(SecretSpec):
     """A credential of the lease API: a bearer secret (``env`` or ``file``), or a TLS
     client certificate whose subject holds every attribute of ``subject`` (with
     ``tls.client_ca``); its name (the owner of the leases taken with it) and the job
@@ -382,7 +364,7 @@ class LeaseClientSpec(_SecretSpec):
         return self
 
 
-class AdminClientSpec(_SecretSpec):
+class AdminClientSpec(SecretSpec):
     """A bearer credential of the admin listener."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
@@ -418,7 +400,7 @@ class LeasesSpec(_Model):
         return self
 
 
-class SigningKeySpec(_SecretSpec):
+class SigningKeySpec(SecretSpec):
     """One key that verifies signed tokens: unpadded base64url of 32 or more bytes."""
 
     id: str = Field(pattern=f"^{KEY_ID}$")
@@ -671,447 +653,3 @@ class Config(_Model):
                     raise ValueError(f"two routes have the {attr} {item!r}")
                 seen.add(item)
         return value
-
-
-def _in_clear(config: Config) -> list[tuple[str, str]]:
-    """What of ``config`` would cross a network in clear, by the key that would mend
-    it: credentials and tokens that let their bearer act as someone, on a listener
-    beyond loopback without TLS, unless ``allow_plaintext`` says the network is
-    trusted; and a lease client named by a certificate without a CA to verify it."""
-    problems = []
-    leases = config.leases
-    named = leases is not None and any(c.subject is not None for c in leases.clients)
-    if named and (config.tls is None or config.tls.client_ca is None):
-        problems.append((
-            "tls.client_ca",
-            "a lease client named by a certificate subject (leases.clients[].subject) "
-            "needs the CA whose client certificates are verified",
-        ))  # fmt: skip
-    if config.allow_plaintext:
-        return problems
-    secrets = []
-    if leases is not None and any(c.subject is None for c in leases.clients):
-        secrets.append("the lease API's bearer credentials (leases.clients)")
-    if config.signing is not None:
-        secrets.append("signed fencing tokens (signing)")
-    if secrets and config.tls is None and not is_loopback(parse_listen(config.listen)[0]):
-        problems.append((
-            "tls",
-            f"{' and '.join(secrets)} would cross the network in clear on {config.listen}: "
-            "give tls (a certificate and its key), listen on loopback, or set "
-            "allow_plaintext: true for a network you trust",
-        ))  # fmt: skip
-    admin = config.admin
-    bare = admin is not None and config.admin_clients and config.admin_tls is None
-    if bare and admin is not None and not is_loopback(parse_listen(admin)[0]):
-        problems.append((
-            "admin_tls",
-            f"the admin listener's bearer credentials (admin_clients) would cross the "
-            f"network in clear on {admin}: give admin_tls, listen on loopback, or set "
-            "allow_plaintext: true for a network you trust",
-        ))  # fmt: skip
-    return problems
-
-
-def signing_keys(spec: SigningSpec | None, source: str) -> SigningKeys | None:
-    """The signing keys' material, from the environment variables and files the
-    config names; ConfigError naming ``source`` and the key when one is missing or
-    not a key."""
-    if spec is None:
-        return None
-    material = _read_secrets(source, "signing.keys", spec.keys, decode_key)
-    return SigningKeys(
-        {key.id: value for key, value in zip(spec.keys, material, strict=True)},
-        spec.sign_with or spec.keys[0].id,
-    )
-
-
-def lease_credentials(spec: LeasesSpec | None, source: str) -> LeaseCredentials | None:
-    """The lease API's credentials, read as :func:`signing_keys` reads keys; None when
-    the API is off or open."""
-    if spec is None or not spec.clients:
-        return None
-    places = tuple(n for n, client in enumerate(spec.clients) if client.subject is None)
-    bearers = [spec.clients[n] for n in places]
-    secrets = iter(_read_secrets(source, "leases.clients", tuple(bearers), _bearer_secret, places))
-    try:
-        return LeaseCredentials(
-            (client.name, next(secrets), client.job_prefix) for client in bearers
-        ).with_subjects(
-            (client.name, parse_subject(client.subject), client.job_prefix)
-            for client in spec.clients
-            if client.subject is not None
-        )
-    except ValueError as exc:
-        raise ConfigError(source, [("leases.clients", str(exc))]) from None
-
-
-def admin_credentials(config: Config, source: str) -> LeaseCredentials | None:
-    """The admin listener's bearer credentials, read as the lease API's; None: open."""
-    if not config.admin_clients:
-        return None
-    secrets = _read_secrets(source, "admin_clients", config.admin_clients, _bearer_secret)
-    try:
-        return LeaseCredentials(
-            (client.name, secret, None)
-            for client, secret in zip(config.admin_clients, secrets, strict=True)
-        )
-    except ValueError as exc:
-        raise ConfigError(source, [("admin_clients", str(exc))]) from None
-
-
-RESTART_ONLY = (
-    "listen",
-    "tls",
-    "admin",
-    "admin_tls",
-    "store",
-    "workers",
-    "idempotency.ttl",
-    "shutdown_timeout",
-    "limits.body_temp_path",
-)
-"""What a reload cannot change: where it listens, what it keeps its state in."""
-
-Reader = Callable[[Mapping[str, Any] | None], Config]
-"""Reads the config file again, keeping the given dotted keys' values (``keep`` of
-:func:`load_config`)."""
-
-
-def restart_only(running: Config, config: Config) -> dict[str, Any]:
-    """What ``config`` changes that only a restart can: each dotted key of
-    :data:`RESTART_ONLY` (``store``, ``idempotency.ttl``, ...) with its value in
-    ``running``, to keep on a reload."""
-    kept = {}
-    for name in RESTART_ONLY:
-        value = setting(running, name)
-        if setting(config, name) != value:
-            kept[name] = False if value is None else value  # admin: false
-    return kept
-
-
-def setting(config: Config, name: str) -> Any:
-    """The value of a dotted key (``limits.body_temp_path``)."""
-    value: Any = config
-    for part in name.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def tls_contexts(config: Config, source: str) -> TlsContexts:
-    """Every TLS context the config asks for, made from its files; ConfigError naming
-    the file and the key of each that cannot be loaded."""
-    problems: list[tuple[str, str]] = []
-
-    def make(key: str, build: Callable[[], ssl.SSLContext]) -> ssl.SSLContext | None:
-        try:
-            return build()
-        except ValueError as exc:
-            problems.append((key, str(exc)))
-            return None
-
-    tls, admin_tls = config.tls, config.admin_tls
-    contexts = TlsContexts(
-        listener=None if tls is None else make("tls", lambda: server_context(tls.server())),
-        admin=None if admin_tls is None else make(
-            "admin_tls", lambda: server_context(admin_tls.server())
-        ),
-        upstreams={
-            route.name: context
-            for n, route in enumerate(config.routes)
-            if route.tls is not None
-            and (context := make(f"routes[{n}].tls", _client(route.tls))) is not None
-        },
-    )  # fmt: skip
-    if problems:
-        raise ConfigError(source, problems)
-    return contexts
-
-
-@dataclass(frozen=True, slots=True)
-class Presented:
-    """A certificate the proxy presents: a listener's (``label`` listener, ``name``
-    proxy or admin) or a route's to its upstream (``label`` route, ``name`` the
-    route's), which the config names at ``key``."""
-
-    label: Literal["listener", "route"]
-    name: str
-    key: str
-    certificate: Certificate
-
-    def __str__(self) -> str:
-        if self.label == "route":
-            return f"the client certificate of route {self.name!r} ({self.key}.cert)"
-        return f"the {self.name} listener's certificate ({self.key}.cert)"
-
-
-def presented(config: Config, source: str) -> tuple[Presented, ...]:
-    """Every certificate ``config`` has the proxy present, with its subject and dates
-    read from its file; ConfigError naming the key of each that cannot be read."""
-    named: list[tuple[Literal["listener", "route"], str, str, Any]] = [
-        ("listener", "proxy", "tls", config.tls),
-        ("listener", "admin", "admin_tls", config.admin_tls),
-        *(("route", r.name, f"routes[{n}].tls", r.tls) for n, r in enumerate(config.routes)),
-    ]
-    found, problems = [], []
-    for label, name, key, spec in named:
-        file: str | None = None if spec is None else spec.cert
-        if file is None:
-            continue
-        try:
-            found.append(Presented(label, name, key, read_certificate(file)))
-        except ValueError as exc:
-            problems.append((f"{key}.cert", str(exc)))
-    if problems:
-        raise ConfigError(source, problems)
-    return tuple(found)
-
-
-def _client(spec: UpstreamTlsSpec) -> Callable[[], ssl.SSLContext]:
-    return lambda: client_context(spec.client())
-
-
-@dataclass(frozen=True)
-class TlsContexts:
-    """The TLS contexts of a config: its listeners', and each route's to its upstream."""
-
-    listener: ssl.SSLContext | None
-    admin: ssl.SSLContext | None
-    upstreams: dict[str, ssl.SSLContext]
-
-
-def _bearer_secret(text: str) -> str:
-    text = text.strip()
-    if not SECRET.fullmatch(text):
-        raise ValueError(
-            "a credential is 32 to 1024 characters of A-Z a-z 0-9 . _ ~ + / - "
-            "(fenceproxy keys generate prints one)"
-        )
-    return text
-
-
-def _read_secrets(
-    source: str,
-    key: str,
-    specs: tuple[_SecretSpec, ...],
-    decode: Callable[[str], T],
-    positions: tuple[int, ...] | None = None,
-) -> list[T]:
-    """Each secret of ``specs`` (the list at ``key``, each at its place in
-    ``positions`` when they are not all of it), decoded; ConfigError naming
-    ``source`` and every one that is missing or malformed. A relative file is taken
-    from the working directory: ``load_config`` has made the file's own relative paths
-    absolute."""
-    values: list[T] = []
-    problems: list[tuple[str, str]] = []
-    for n, spec in zip(positions or range(len(specs)), specs, strict=True):
-        if spec.env is not None:
-            where, text = f"{key}[{n}].env", os.environ.get(spec.env)
-            if text is None:
-                problems.append((where, f"the environment variable {spec.env} is not set"))
-                continue
-        else:
-            assert spec.file is not None
-            where = f"{key}[{n}].file"
-            try:
-                text = Path(spec.file).read_text(encoding="ascii")
-            except (OSError, UnicodeDecodeError) as exc:
-                problems.append((where, f"cannot read {spec.file}: {exc}"))
-                continue
-        try:
-            values.append(decode(text))
-        except ValueError as exc:
-            problems.append((where, str(exc)))
-    if problems:
-        raise ConfigError(source, problems)
-    return values
-
-
-def _key(loc: tuple[int | str, ...]) -> str:
-    """``("routes", 0, "upstream")`` to ``routes[0].upstream``, without pydantic's
-    internal validator names."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not part.startswith("function-"):
-            out += f".{part}" if out else part
-    return out
-
-
-def _unknown_key(loc: tuple[int | str, ...]) -> str:
-    """What to say of a key no model has at ``loc``: the closest known one, if any."""
-    model: type[BaseModel] | None = Config
-    for part in loc[:-1]:
-        if isinstance(part, str) and model is not None and part in model.model_fields:
-            model = _model_in(model.model_fields[part].annotation)
-    known = list(model.model_fields) if model is not None else []
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-    if close:
-        return f"unknown key; did you mean {close[0]!r}?"
-    return "unknown key" + (f"; known keys here: {', '.join(known)}" if known else "")
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The model a field holds, directly, optionally or as the items of a tuple."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if (found := _model_in(arg)) is not None:
-            return found
-    return None
-
-
-def parse_config(
-    data: Any,
-    source: str,
-    overrides: Mapping[str, str] | None = None,
-    keep: Mapping[str, Any] | None = None,
-) -> Config:
-    """Validate already-parsed YAML. ``overrides`` come from the command line;
-    ``keep`` maps dotted keys (``idempotency.ttl``) to the values they keep whatever
-    the file says (a reload keeps what changes only with a restart)."""
-    if not isinstance(data, dict):
-        raise ConfigError(source, [("", "the top level must be a mapping of keys")])
-    merged = {**data, **(overrides or {})}
-    for dotted, value in (keep or {}).items():
-        node = merged
-        *parents, last = dotted.split(".")
-        for part in parents:
-            child = node.get(part)
-            node[part] = node = dict(child) if isinstance(child, dict) else {}
-        node[last] = value
-    try:
-        config = Config.model_validate(merged)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        locs = [err["loc"] for err in errors]
-        problems = []
-        for err in errors:
-            # An error on a container is only the echo of one inside it.
-            if any(len(o) > len(err["loc"]) and o[: len(err["loc"])] == err["loc"] for o in locs):
-                continue
-            key = _key(err["loc"])
-            if overrides and key in overrides:
-                key = f"{key} (from --{key})"
-            msg = err["msg"].removeprefix("Value error, ")
-            msg = msg.replace("Tuple", "List").replace("tuple", "list")
-            if err["type"] == "extra_forbidden":
-                msg = _unknown_key(err["loc"])
-            problems.append((key, msg))
-        raise ConfigError(source, problems) from None
-    if problems := _in_clear(config):
-        raise ConfigError(source, problems)
-    return config
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping: PyYAML would keep
-    the last one, so a second ``routes:`` would silently replace the first."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                hash(key)
-            except TypeError:
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a mapping key must be a plain value", key_node.start_mark
-                ) from None
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_config(
-    path: str | Path,
-    overrides: Mapping[str, str] | None = None,
-    keep: Mapping[str, Any] | None = None,
-) -> Config:
-    """Read and validate a config file (``keep``: see :func:`parse_config`).
-
-    A relative SQLite path in the file is resolved against the file's folder; one in
-    ``overrides`` (``--store``) against the working directory.
-
-    Raises ConfigError naming the file for an unreadable file, a YAML syntax error
-    (with its line and column), or any invalid key.
-    """
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(source, [("", f"cannot read: {exc}")]) from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
-    except yaml.YAMLError as exc:
-        where = ""
-        mark = getattr(exc, "problem_mark", None)
-        if mark is not None:
-            where = f"line {mark.line + 1}, column {mark.column + 1}: "
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(source, [("", f"{where}invalid YAML: {problem}")]) from None
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
-        # PyYAML's constructors raise these for values such as `!!int 30s`, a
-        # 5000-digit number or nesting too deep to build.
-        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise ConfigError(source, [("", f"invalid YAML value: {detail}")]) from None
-    config = parse_config(data, source, overrides, keep)
-    base = os.getcwd() if overrides and "store" in overrides else Path(path).parent
-    update: dict[str, Any] = {"store": absolute_store_url(config.store, base)}
-    folder = Path(path).parent.absolute()
-    if config.signing is not None:
-        keys = _absolute_files(config.signing.keys, folder)
-        update["signing"] = config.signing.model_copy(update={"keys": keys})
-    if config.leases is not None:
-        clients = _absolute_files(config.leases.clients, folder)
-        update["leases"] = config.leases.model_copy(update={"clients": clients})
-    if config.admin_clients:
-        update["admin_clients"] = _absolute_files(config.admin_clients, folder)
-    for key in ("tls", "admin_tls"):
-        spec = getattr(config, key)
-        if spec is not None:
-            update[key] = _absolute_paths(spec, folder, ("cert", "key", "client_ca"))
-    if any(route.tls is not None for route in config.routes):
-        update["routes"] = tuple(
-            route.model_copy(
-                update={"tls": _absolute_paths(route.tls, folder, ("ca", "cert", "key"))}
-            )
-            if route.tls is not None
-            else route
-            for route in config.routes
-        )
-    # The folder in full, the default's too: what a reload compares and keeps.
-    temp_path = str(folder / (config.limits.body_temp_path or default_folder()))
-    update["limits"] = config.limits.model_copy(update={"body_temp_path": temp_path})
-    config = config.model_copy(update=update)
-    # Every secret present and well-formed, now; the folder for bodies usable.
-    signing_keys(config.signing, source)
-    lease_credentials(config.leases, source)
-    admin_credentials(config, source)
-    tls_contexts(config, source)
-    try:
-        SpoolFolder(temp_path).prepare()
-    except ValueError as exc:
-        raise ConfigError(source, [("limits.body_temp_path", str(exc))]) from None
-    return config
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def _absolute_paths(spec: M, folder: Path, keys: tuple[str, ...]) -> M:
-    """``spec`` with each of its file ``keys`` that is set made absolute against the
-    config file's ``folder``."""
-    update = {key: str(folder / value) for key in keys if (value := getattr(spec, key)) is not None}
-    return spec.model_copy(update=update)
-
-
-def _absolute_files(specs: tuple[S, ...], folder: Path) -> tuple[S, ...]:
-    return tuple(
-        spec if spec.file is None else spec.model_copy(update={"file": str(folder / spec.file)})
-        for spec in specs
-    )
