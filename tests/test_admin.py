@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,22 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from fenceproxy import cli
-from fenceproxy.config import parse_config
-from fenceproxy.errors import ConfigError
+from fenceproxy.config import LimitsSpec, parse_config
+from fenceproxy.errors import (
+    PROBLEM_BASE,
+    AdminUnauthenticated,
+    ConfigError,
+    Refusal,
+    StoreNotReady,
+)
+from fenceproxy.fence.tokens import generate_key
+from fenceproxy.http.answer import Answer, problem_answer
+from fenceproxy.http.request import Request
+from fenceproxy.http.server import DataPlane, Listener
 from fenceproxy.ops.admin import page_url
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
 
-from .conftest import ProxyFactory, fenced
+from .conftest import ProxyFactory, fenced, raw_request
 from .postgres import sql
 from .test_proxy import problem
 
@@ -384,3 +395,80 @@ async def test_a_browser_sent_here_under_another_name_reads_nothing(admin: Clien
         assert (await admin.get("/events", headers={**browser, "Host": host})).status == 200
     # Probes and scrapers are no browsers: they may use any name (a service's, say).
     assert (await admin.get("/metrics", headers={"Host": "fenceproxy-admin:9901"})).status == 200
+
+
+_PROBLEM_FIELDS = (b"content-type", b"content-length", b"retry-after", b"www-authenticate")
+
+
+async def raw_answer(port: int, request: bytes) -> tuple[bytes, list[bytes], bytes]:
+    """An answer as it came off the socket: its status line, the fields a problem is
+    read by (Content-Type, Content-Length, Retry-After, WWW-Authenticate) as sent,
+    and its body."""
+    head, body = (await raw_request(port, request)).split(b"\r\n\r\n", 1)
+    status, *lines = head.split(b"\r\n")
+    fields = [line for line in lines if line.split(b":", 1)[0].lower() in _PROBLEM_FIELDS]
+    return status, sorted(fields), body
+
+
+async def test_a_refusal_reads_the_same_from_the_proxys_port_and_the_admin_listener(
+    start_proxy: ProxyFactory, aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client, a script or a probe reads a refusal one way, whichever listener gave
+    it: the same status line, Content-Type, Retry-After, WWW-Authenticate and
+    problem body, byte for byte."""
+    secret = generate_key()
+    monkeypatch.setenv("FP_OPS", secret)
+    proxy = await start_proxy(leases={}, admin_clients=[{"name": "ops", "env": "FP_OPS"}])
+    fence_proxy = proxy.server.proxy  # type: ignore[attr-defined]
+    admin: Client = await aiohttp_client(fence_proxy.admin())
+    granted = f"Authorization: Bearer {secret}\r\n".encode()
+
+    # The same refusal for the same reason on both: a job id that is not one.
+    claimed = await raw_answer(
+        proxy.port,  # type: ignore[arg-type]
+        b"POST /_leases/%01/claim HTTP/1.1\r\nHost: p\r\nContent-Length: 15\r\n"
+        b'Connection: close\r\n\r\n{"owner": "w1"}',
+    )
+    shown = await raw_answer(
+        admin.port,
+        b"GET /jobs/%01 HTTP/1.1\r\nHost: a\r\n" + granted + b"Connection: close\r\n\r\n",
+    )
+    assert claimed == shown
+    assert claimed[0] == b"HTTP/1.1 400 Bad Request"
+    assert json.loads(claimed[2])["type"] == PROBLEM_BASE + "fencing-header-malformed"
+
+    # The admin listener's own, with a challenge and a Retry-After: as the proxy's port
+    # renders the same refusal.
+    await fence_proxy.store.close()
+    answers = {
+        AdminUnauthenticated: await raw_answer(
+            admin.port, b"GET /metrics HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+        ),
+        StoreNotReady: await raw_answer(
+            admin.port,
+            b"GET /readyz HTTP/1.1\r\nHost: a\r\n" + granted + b"Connection: close\r\n\r\n",
+        ),
+    }
+    for kind, (status, fields, body) in answers.items():
+        problem = json.loads(body)
+        assert problem["type"] == kind.type_uri()
+        retry = [float(f.split(b": ")[1]) for f in fields if f.lower().startswith(b"retry-after")]
+        refusal = kind(problem["detail"], retry_after=retry[0] if retry else None)
+        plane = Listener(DataPlane(partial(answer_with, refusal), LimitsSpec()))
+        await plane.listen("127.0.0.1", 0)
+        try:
+            rendered = await raw_answer(
+                plane.ports[0], b"GET / HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"
+            )
+        finally:
+            await plane.close()
+        assert rendered == (status, fields, body)
+        assert any(f.lower().startswith(b"www-authenticate: bearer") for f in fields) == (
+            kind is AdminUnauthenticated
+        )
+        assert bool(retry) == (kind is StoreNotReady)
+
+
+async def answer_with(refusal: Refusal, request: Request) -> Answer:
+    """The proxy's port's answer to a request it refuses with ``refusal``."""
+    return problem_answer(refusal)

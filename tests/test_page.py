@@ -7,6 +7,7 @@ writes with their decisions."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -18,6 +19,8 @@ import pytest
 import yaml
 
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
+
+from .test_workers import write_config
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import TimeoutException  # noqa: E402
@@ -182,3 +185,59 @@ async def test_a_stale_write_appears_live_and_a_job_shows_its_timeline(
     # script raised nothing.
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == []
+
+
+async def on_worker(proxy: ProxyProcess, worker: int, admin: aiohttp.ClientSession) -> Worker:
+    """A worker of another language's kind whose one connection the proxy's worker
+    ``worker`` serves: the kernel hands each new connection to one worker or another,
+    so connections are opened until one lands there (as its ``/events`` tells)."""
+    async with asyncio.timeout(30):
+        for n in itertools.count():
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            found = Worker(session, proxy, f"probe-{n}")
+            await found.lease("claim", f"probe-{n}")
+            query = {"worker": str(worker), "job": f"probe-{n}"}
+            async with admin.get(f"{proxy.admin_url}/events", params=query) as events:
+                if (await events.json())["events"]:
+                    return found
+            await session.close()
+    raise AssertionError("unreachable")
+
+
+async def test_a_page_opened_for_one_worker_follows_that_worker(
+    browser: WebDriver, tmp_path: Path, database: str, upstream: RecordingUpstream
+) -> None:
+    """Under ``workers:``, an operator who opens the page for a worker (``?worker=1``)
+    sees that worker's decisions as they happen, and a job asked for there is read
+    from it too, never the first worker's mixed in."""
+    config = tmp_path / "fenceproxy.yaml"
+    write_config(config, database, upstream, "/billing", workers=2)
+    proxy = await ProxyProcess(config, free_port()).start()
+    browser.get_log("browser")  # what pages opened before said
+    try:
+        async with aiohttp.ClientSession() as admin:
+            second = await on_worker(proxy, 1, admin)
+        async with second.session:
+            await asyncio.to_thread(browser.get, f"{proxy.admin_url}/?worker=1")
+            generation = await second.lease("claim", "invoice/9")
+            assert await second.write("invoice/9", generation, "k-9") == 200
+            await until(
+                browser,
+                lambda b: (
+                    [r[1:3] for r in rows(b, "events")][:2]
+                    == [["write", "invoice/9"], ["claim", "invoice/9"]]
+                ),
+            )
+            field = browser.find_element(By.ID, "job-input")
+            field.clear()
+            field.send_keys("invoice/9")
+            await asyncio.to_thread(field.submit)
+            await until(browser, lambda b: b.find_element(By.CSS_SELECTOR, "#job h3").text)
+            assert "worker=1" in browser.current_url
+            assert [r[1] for r in rows(browser, "timeline")] == ["claim", "write"]
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == []
+    finally:
+        await asyncio.to_thread(browser.get, "about:blank")  # its polling ends here
+        print(proxy.output())  # shown when the test fails
+        await proxy.stop()

@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiohttp import web
+import pytest
+from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
 from fenceproxy.errors import PROBLEM_BASE
 from fenceproxy.fence.fencing import Admit, FencedWrite
+from fenceproxy.http.answer import Answer
+from fenceproxy.http.request import Request
+from fenceproxy.http.server import DataPlane, Limits, Listener
+from fenceproxy.server.app import FenceProxy
 from fenceproxy.testing import FakeClock, RecordingUpstream, drop_connection, free_port, status
 
 from .conftest import ProxyFactory, admit, fenced, raw_request, store_of
@@ -28,6 +33,15 @@ async def problem(response: Any, status_code: int, slug: str) -> dict[str, Any]:
     assert body["title"]
     assert body["detail"]
     return body
+
+
+async def fencing_with(
+    start_proxy: ProxyFactory, upstream: RecordingUpstream, **fence: Any
+) -> Client:
+    """A proxy whose one route, ``/billing/`` to ``upstream``, fences as ``fence`` says
+    (the route's ``fence:`` settings)."""
+    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url, "fence": fence}
+    return await start_proxy([route])
 
 
 async def test_worked_example_stale_generation_never_reaches_upstream(
@@ -148,28 +162,17 @@ async def test_job_from_path(start_proxy: ProxyFactory, upstream: RecordingUpstr
 
 
 async def test_fence_overrides(start_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
-    proxy = await start_proxy(
-        [
-            {
-                "name": "r",
-                "path": "/r/",
-                "upstream": upstream.url,
-                "fence": {
-                    "methods": ["POST"],
-                    "job_header": "X-Job",
-                    "token_header": "X-Gen",
-                    "key_header": "X-Key",
-                },
-            }
-        ]
-    )
-    assert (await proxy.put("/r/a")).status == 200  # PUT is not fenced here
-    assert (await proxy.post("/r/a", headers={"X-Job": "j", "X-Gen": "2"})).status == 200
-    stale = await proxy.post("/r/a", headers={"x-job": "j", "x-gen": "1"})
+    proxy = await fencing_with(
+        start_proxy, upstream,
+        methods=["POST"], job_header="X-Job", token_header="X-Gen", key_header="X-Key",
+    )  # fmt: skip
+    assert (await proxy.put("/billing/a")).status == 200  # PUT is not fenced here
+    assert (await proxy.post("/billing/a", headers={"X-Job": "j", "X-Gen": "2"})).status == 200
+    stale = await proxy.post("/billing/a", headers={"x-job": "j", "x-gen": "1"})
     await problem(stale, 409, "stale-generation")
     headers = {"X-Job": "j", "X-Gen": "2", "X-Key": "k1"}
-    assert (await proxy.post("/r/a", data=b"x", headers=headers)).status == 200
-    replay = await proxy.post("/r/a", data=b"x", headers=headers)
+    assert (await proxy.post("/billing/a", data=b"x", headers=headers)).status == 200
+    replay = await proxy.post("/billing/a", data=b"x", headers=headers)
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert len(upstream.received) == 3
 
@@ -224,16 +227,7 @@ async def test_keys_are_scoped_to_the_job(proxy: Client, upstream: RecordingUpst
 
 
 async def test_on_duplicate_reject(start_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
-    proxy = await start_proxy(
-        [
-            {
-                "name": "billing",
-                "path": "/billing/",
-                "upstream": upstream.url,
-                "fence": {"on_duplicate": "reject"},
-            }
-        ]
-    )
+    proxy = await fencing_with(start_proxy, upstream, on_duplicate="reject")
     assert (await fenced(proxy, "j", 1, key="k")).status == 200
     body = await problem(await fenced(proxy, "j", 1, key="k"), 409, "duplicate-rejected")
     assert body["original_status"] == 200
@@ -543,6 +537,13 @@ def _secret_answer() -> Any:
     return respond
 
 
+async def replayed_secret(answer: ClientResponse) -> None:
+    """``answer`` is the secret answer, replayed from the store, not forwarded again."""
+    assert answer.status == 201
+    assert answer.headers["Idempotent-Replayed"] == "true"
+    assert await answer.json() == SECRET
+
+
 async def test_another_callers_key_is_422_and_tells_nothing_of_its_answer(
     proxy: Client, upstream: RecordingUpstream
 ) -> None:
@@ -574,9 +575,7 @@ async def test_another_callers_key_is_422_and_tells_nothing_of_its_answer(
     assert len(upstream.received) == 1
     # Its own caller still gets its answer.
     again = await fenced(proxy, "j", 1, key="k", body={"a": 1}, headers=alice)
-    assert again.status == 201
-    assert again.headers["Idempotent-Replayed"] == "true"
-    assert await again.json() == SECRET
+    await replayed_secret(again)
     assert len(upstream.received) == 1
 
 
@@ -602,34 +601,22 @@ async def test_a_caller_is_every_value_of_its_scope_headers_in_order(
     assert len(upstream.received) == 1
 
 
-async def scoped_by(
-    start_proxy: ProxyFactory, upstream: RecordingUpstream, headers: list[str]
-) -> Client:
-    """A proxy whose route scopes keys by ``headers``."""
-    route = {"name": "billing", "path": "/billing/", "upstream": upstream.url,
-             "fence": {"scope_headers": headers}}  # fmt: skip
-    return await start_proxy([route])
-
-
 async def test_a_route_without_scope_headers_replays_to_anyone(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await scoped_by(start_proxy, upstream, [])
+    proxy = await fencing_with(start_proxy, upstream, scope_headers=[])
     upstream.respond = _secret_answer()
     first = await fenced(proxy, "j", 1, key="k", headers={"Authorization": "Bearer alice"})
     assert first.status == 201
     for headers in ({"Authorization": "Bearer bob"}, {}):
-        again = await fenced(proxy, "j", 1, key="k", headers=headers)
-        assert again.status == 201
-        assert again.headers["Idempotent-Replayed"] == "true"
-        assert await again.json() == SECRET
+        await replayed_secret(await fenced(proxy, "j", 1, key="k", headers=headers))
     assert len(upstream.received) == 1
 
 
 async def test_keys_can_be_scoped_by_a_header_of_the_apis_own(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await scoped_by(start_proxy, upstream, ["X-Api-Key"])
+    proxy = await fencing_with(start_proxy, upstream, scope_headers=["X-Api-Key"])
     first = await fenced(proxy, "j", 1, key="k", headers={"X-Api-Key": "alice"})
     assert first.status == 200
     # Only the configured header makes the caller: Authorization is not part of it.
@@ -713,3 +700,48 @@ async def test_a_writes_record_holds_its_job_for_its_timeouts_quarantine_and_one
     assert view.in_flight is not None
     assert view.in_flight[2] == clock.now + 1 + 3 + 7 + 1
     assert (await store_of(proxy).inspect("j")).in_flight is None
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "says", "forwarded"),
+    [
+        (b"POST /billing/x HTTP/1.1\r\nHost: a\r\nFencing-Job: j\r\nFencing-Token: 1\r\n"
+         b"Content-Length: 2\r\n\r\n{}", b"it may have reached the upstream", 1),
+        (b"GET /open/x HTTP/1.1\r\nHost: a\r\n\r\n", b"it may have reached the upstream", 1),
+        (b"POST /billing/x HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}",
+         b"nothing was forwarded", 0),
+    ],
+    ids=["fenced", "pass-through", "refused"],
+)  # fmt: skip
+async def test_a_handler_failing_after_the_proxy_forwarded_says_it_may_have(
+    proxy_config: Any,
+    upstream: RecordingUpstream,
+    request_bytes: bytes,
+    says: bytes,
+    forwarded: int,
+) -> None:
+    """A bug after the proxy sent a request on (here, once the upstream answered) is a
+    500 that says the request may have reached the upstream, so its client does not
+    take it for one never sent; a bug before anything left says nothing was forwarded."""
+    routes = [
+        {"name": "billing", "path": "/billing/", "upstream": upstream.url},
+        {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False},
+    ]
+    async with FenceProxy(proxy_config(routes)) as proxy:
+
+        async def buggy(request: Request) -> Answer:
+            await proxy.handle(request)
+            raise RuntimeError("a bug once the answer is in")
+
+        limits = Limits(header_timeout=10, keepalive_timeout=10, send_timeout=10,
+                        max_connections=10, max_connections_per_client=None)  # fmt: skip
+        listener = Listener(DataPlane(buggy, limits))
+        await listener.listen("127.0.0.1", 0)
+        try:
+            async with asyncio.timeout(10):
+                raw = await raw_request(listener.ports[0], request_bytes)
+        finally:
+            await listener.close()
+    assert raw.startswith(b"HTTP/1.1 500 ")
+    assert says in raw
+    assert len(upstream.received) == forwarded

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from fenceproxy.fence.tokens import generate_key
 from fenceproxy.server.workers import merge_metrics
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
 
+from .postgres import sql
+from .test_admin import samples
 from .test_tls import eventually_async
 
 # Connections opened one after another land on one worker or the other as the
@@ -335,3 +338,118 @@ async def test_the_admin_listener_takes_its_credentials_again_on_sighup(
         await eventually_async(revoked)
         assert await status("/jobs", new) == 200
         assert [await status("/healthz", None), await status("/healthz", new)] == [401, 200]
+
+
+# What differs between two runs of the same requests: the clock, and the refusals of
+# the last minute (a minute may end between a write and its reading).
+_UNSTEADY = [
+    (re.compile(rb'"(at|ms|now|generation_set_at|lease_until|expires_in|created_at|'
+                rb'expires_at|connections)": [-+.e0-9]+'), rb'"\1": 0'),
+    (re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"), b"DATE"),
+    (re.compile(rb"\d\d:\d\d:\d\d\.\d{3}"), b"TIME"),
+    (re.compile(rb"live, [.0-9]+ s left"), b"live, s left"),
+    (re.compile(rb'(": \[)\d+(, \d+, \d+\])'), rb"\1_\2"),
+    (re.compile(rb"(<tr><td>[a-z-]+</td><td>)\d+(</td>)"), rb"\1_\2"),
+]  # fmt: skip
+_SHOWN_FIELDS = (
+    "Content-Type", "Content-Security-Policy", "X-Content-Type-Options", "Referrer-Policy",
+    "Cache-Control", "Retry-After", "WWW-Authenticate",
+)  # fmt: skip
+
+
+async def admin_answers(process: ProxyProcess, secret: str, worker: int) -> dict[str, Any]:
+    """What an operator's requests get from the admin listener: each answer's status,
+    fields and body, the clock taken out; the metrics as their samples, the
+    ``worker`` label taken out and summed over."""
+    granted = {"Authorization": f"Bearer {secret}"}
+    browser = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"}
+    w = f"worker={worker}"
+    asked: list[tuple[str, str, dict[str, str]]] = [
+        ("GET", path, granted)
+        for path in (
+            f"/?{w}", f"/?job=inv-1&{w}", f"/page/feed?after=0&job=inv-1&{w}", f"/events?{w}",
+            f"/events?job=inv-1&after=1&{w}", f"/jobs?{w}", f"/jobs?prefix=inv&limit=1&{w}",
+            f"/jobs/inv-1?{w}", f"/jobs/nobody?{w}", "/jobs/%01", "/jobs?limit=0",
+            "/events?after=x", "/healthz", "/readyz", "/nothing-here", "/static/page.js",
+        )
+    ]  # fmt: skip
+    asked += [
+        ("GET", "/jobs", {}),  # no credential
+        ("GET", "/jobs", {"Authorization": "Bearer not-it"}),
+        ("GET", "/healthz", {}),  # the probes are open
+        ("GET", f"/?{w}", {**granted, **browser, "Host": "evil.example"}),  # rebinding
+        ("POST", "/jobs", granted),
+    ]
+    answers: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as http:
+        for method, path, headers in asked:
+            async with http.request(method, process.admin_url + path, headers=headers) as got:
+                body = await got.read()
+                for pattern, steady in _UNSTEADY:
+                    body = pattern.sub(steady, body)
+                fields = {f: got.headers[f] for f in _SHOWN_FIELDS if f in got.headers}
+                answers[f"{method} {path} {sorted(headers.items())}"] = got.status, fields, body
+        async with http.get(process.admin_url + "/metrics", headers=granted) as got:
+            assert got.status == 200
+            answers["content-type of /metrics"] = got.headers["Content-Type"]
+            text = await got.text()
+    summed: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for (name, labels), value in samples(text).items():
+        key = name, tuple((k, v) for k, v in labels if k != "worker")
+        summed[key] = summed.get(key, 0.0) + value
+    counted = ("fenceproxy_decisions_total", "fenceproxy_lease_calls_total")
+    answers["metrics"] = {
+        key: value if key[0] in counted else None for key, value in summed.items()
+    }
+    return answers
+
+
+async def test_the_admin_listener_answers_alike_for_one_process_and_for_workers(
+    tmp_path: Path, database: str, upstream: RecordingUpstream
+) -> None:
+    """An operator's pages, scrapers, probes and tools get the same answers whether the
+    proxy runs as one process or as workers under a supervisor: the same requests,
+    after the same writes and lease calls, read the same (the clock aside). Under
+    workers, ``?worker=i`` reads the worker that served them (one process ignores it)
+    and the metrics, each sample labelled by its worker, sum to one process's."""
+    config = tmp_path / "fenceproxy.yaml"
+    secret = generate_key()
+    (tmp_path / "ops.secret").write_text(secret)
+    clients = [{"name": "ops", "file": str(tmp_path / "ops.secret")}]
+    port = free_port()
+    seen: dict[int, dict[str, Any]] = {}
+    worker = 0
+    for workers in (2, 1):
+        await sql(database, "TRUNCATE fences, idempotency_keys, leases, inflight")
+        write_config(config, database, upstream, "/billing", workers, admin_clients=clients)
+        process = await ProxyProcess(config, port).start()
+        try:
+            # One connection, so one worker sees it all.
+            connector = aiohttp.TCPConnector(limit=1)
+            async with aiohttp.ClientSession(process.url, connector=connector) as http:
+                async with http.post("/_leases/inv-1/claim", json={"owner": "w1"}) as claim:
+                    assert claim.status == 200
+                for generation, status in ((1, 200), (0, 409)):
+                    fields = {"Fencing-Job": "inv-1", "Fencing-Token": str(generation),
+                              "Idempotency-Key": f"k-{generation}"}  # fmt: skip
+                    async with http.post("/billing/x", json={}, headers=fields) as write:
+                        assert write.status == status
+            if workers > 1:
+                worker = await the_worker_that_served(process, secret)
+            seen[workers] = await admin_answers(process, secret, worker)
+        finally:
+            print(process.output())  # shown when the test fails
+            await process.stop()
+    assert seen[2] == seen[1]
+    decisions = ("fenceproxy_decisions_total", (("outcome", "forwarded"), ("route", "billing")))
+    assert seen[1]["metrics"][decisions] == 1
+
+
+async def the_worker_that_served(process: ProxyProcess, secret: str) -> int:
+    """The worker whose ``/events`` lists decisions."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {secret}"}) as http:
+        for worker in (0, 1):
+            async with http.get(f"{process.admin_url}/events?worker={worker}") as events:
+                if (await events.json())["events"]:
+                    return worker
+    raise AssertionError("no worker saw the writes")

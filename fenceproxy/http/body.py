@@ -13,6 +13,8 @@ from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ..errors import InvariantError
+
 __all__ = ["Body", "Flow", "Reading", "read_fields"]
 
 
@@ -194,7 +196,8 @@ class Body:
                 raise self._error
             if self._done:
                 return b""
-            assert self._waiter is None, "one reader at a time"
+            if self._waiter is not None:
+                raise InvariantError("one reader at a time")
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter

@@ -21,10 +21,6 @@ plane (:mod:`fenceproxy.http.server`) and every handler behind it.
 
 A client waiting for ``100 Continue`` gets it when its body is first read, once its
 declared length is known to fit (:meth:`Bodies.read`, :meth:`Bodies.stream`).
-
-The problems of the admin listener (an aiohttp application) are rendered here too
-(:func:`problem_response`), as the data plane renders its own
-(:func:`fenceproxy.http.answer.problem_answer`).
 """
 
 from __future__ import annotations
@@ -36,19 +32,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
-
 from ..errors import (
     BodyTimeout,
     BodyTooLarge,
     ClientClosedRequest,
     ProxyBusy,
-    Refusal,
 )
 from ..fence.fencing import Digest
 from ..log import server_log
 from ..spool import CHUNK, SpoolFile, SpoolFolder, spool_failure
-from .answer import PROBLEM_JSON, reason, retry_after
+from .answer import PROBLEM_JSON
 from .request import Body, Request
 from .upstream import TrustedProxies
 
@@ -62,7 +55,6 @@ __all__ = [
     "check_body_size",
     "connection_cap",
     "log_accept_errors",
-    "problem_response",
 ]
 
 # Descriptors kept for the store, the logs, the listening sockets and the like.
@@ -74,21 +66,6 @@ LINGER_FOR = 1.0
 LINGER_BYTES = 1024 * 1024
 RATE_WINDOW = 10.0
 """The window over which a body read whole must keep up ``limits.body_min_rate``."""
-
-
-def problem_response(refusal: Refusal) -> web.Response:
-    """``refusal`` as an RFC 9457 problem, for the admin listener's aiohttp handlers."""
-    response = web.json_response(
-        refusal.problem(),
-        status=refusal.status,
-        reason=reason(refusal.status),
-        content_type=PROBLEM_JSON,
-    )
-    if refusal.retry_after is not None:
-        response.headers["Retry-After"] = retry_after(refusal.retry_after)
-    if refusal.challenge is not None:
-        response.headers["WWW-Authenticate"] = refusal.challenge
-    return response
 
 
 class Every:

@@ -10,11 +10,14 @@ not ``chunked``, and broken chunked framing. The checks it leaves to its caller
 (field sizes and counts, singleton fields, ``Host``, the version) are the data
 plane's own, made while the head is parsed, and raised from the parser's
 callbacks; llhttp then stops with a callback error whose context is that refusal.
+A callback may also stop parsing what one read brought, with no error
+(:class:`ParsingStopped`): :func:`feed` tells the three apart, each by its own type.
 
 ==============================================  =========================================
 raised by ``feed_data``                         answered
 ==============================================  =========================================
-``HttpParserCallbackError``                     the refusal a callback raised
+``HttpParserCallbackError``                     the refusal a callback raised, or
+                                                ``ParsingStopped`` when it stopped
 ``HttpParserError``: "Pause on PRI/Upgrade"     505 ``VersionNotSupported`` (HTTP/2's preface)
 ``HttpParserInvalidMethodError``                400 ``RequestMalformed``
 ``HttpParserInvalidURLError``                   400 ``RequestMalformed``
@@ -38,7 +41,14 @@ import httptools
 from ..errors import InternalError, Refusal, RequestMalformed, VersionNotSupported
 from ..log import server_log
 
-__all__ = ["ERRORS", "HttpRequestParser", "ParserUpgrade", "parser_refusal"]
+__all__ = [
+    "ERRORS",
+    "HttpRequestParser",
+    "ParserUpgrade",
+    "ParsingStopped",
+    "feed",
+    "parser_refusal",
+]
 
 HttpRequestParser = httptools.HttpRequestParser
 ParserUpgrade = httptools.HttpParserUpgrade
@@ -47,7 +57,7 @@ _H2_PREFACE = "Pause on PRI/Upgrade"
 """llhttp's reason for HPE_PAUSED_H2_UPGRADE: the request line of HTTP/2's preface."""
 
 ERRORS: dict[type[Exception], str] = {
-    httptools.HttpParserCallbackError: "the refusal a callback raised",
+    httptools.HttpParserCallbackError: "the refusal a callback raised, or ParsingStopped",
     httptools.HttpParserInvalidMethodError: "400 request-malformed",
     httptools.HttpParserInvalidURLError: "400 request-malformed",
     httptools.HttpParserInvalidStatusError: "400 request-malformed",
@@ -56,6 +66,25 @@ ERRORS: dict[type[Exception], str] = {
 }
 """Every exception class httptools raises from ``feed_data``, and what it means here
 (the table above; ``tests/test_httptools_parser.py`` checks it is complete)."""
+
+
+class ParsingStopped(Exception):
+    """Raised from a parser callback to stop parsing what one read brought, and out of
+    :func:`feed` when one did: the rest of the read is left unread, by choice."""
+
+
+def feed(parser: HttpRequestParser, data: bytes) -> None:
+    """Parse ``data``, its callbacks run as it goes. Raises, each by its own type:
+    ParsingStopped when a callback stopped it, ParserUpgrade at the head of a request
+    for another protocol, and the Refusal that what came gets (:func:`parser_refusal`)."""
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserCallbackError as exc:
+        if isinstance(exc.__context__, ParsingStopped):
+            raise ParsingStopped from None
+        raise parser_refusal(exc) from None
+    except httptools.HttpParserError as exc:  # not ParserUpgrade, which is no error
+        raise parser_refusal(exc) from None
 
 
 def parser_refusal(exc: Exception) -> Refusal:

@@ -10,7 +10,7 @@ to its caller: the version (1.1 or 1.0), RFC 9110's fields that must come once,
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from multidict import CIMultiDictProxy
 from yarl import URL
@@ -21,11 +21,8 @@ from ..errors import (
     RequestTargetMalformed,
     VersionNotSupported,
 )
-from .body import Body, read_fields
+from .body import Body, Reading, read_fields
 from .httptools_parser import HttpRequestParser
-
-if TYPE_CHECKING:
-    from .server import Connection
 
 __all__ = [
     "HTTP10",
@@ -35,6 +32,7 @@ __all__ = [
     "MAX_LINE",
     "NONE_NAMED",
     "Body",
+    "ClientConnection",
     "Request",
     "Version",
     "connection_named",
@@ -90,6 +88,21 @@ def connection_named(fields: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
 _EMPTY = Body(None)
 
 
+class ClientConnection(Reading, Protocol):
+    """The connection a request came on, as the request reads it (the data plane's
+    :class:`~fenceproxy.http.server.Connection`): who the client is, whether it is
+    still there, and the ``100 Continue`` it may wait for."""
+
+    @property
+    def peer(self) -> str | None: ...
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def subject(self) -> dict[str, str]: ...
+    def gone(self) -> asyncio.Future[None]: ...
+    def send_continue(self, request: Request) -> None: ...
+
+
 class Request:
     """One request's head, as read, and its :class:`Body`.
 
@@ -105,6 +118,7 @@ class Request:
         "coding",
         "connection_named",
         "content_length",
+        "forwarding",
         "keep_alive",
         "method",
         "path",
@@ -117,7 +131,7 @@ class Request:
 
     def __init__(
         self,
-        conn: Connection,
+        conn: ClientConnection,
         method: str,
         target: str,
         path: str,
@@ -151,6 +165,9 @@ class Request:
         """It asked for another protocol: answered as HTTP/1.1, then closed."""
         has_body = coding is not None or bool(content_length)
         self.body = Body(conn) if has_body else _EMPTY
+        self.forwarding = False
+        """Set by its handler as it begins to send it on to an upstream: should the
+        handler fail after that, the request may have been forwarded."""
 
     @property
     def headers(self) -> CIMultiDictProxy[str]:
@@ -181,7 +198,7 @@ class Request:
         return self._conn.subject
 
     def client_gone(self) -> asyncio.Future[None]:
-        """Set once the client's connection is lost (see :meth:`.server.Connection.gone`)."""
+        """Set once the client's connection is lost (see :meth:`ClientConnection.gone`)."""
         return self._conn.gone()
 
     def send_continue(self) -> None:
@@ -191,7 +208,10 @@ class Request:
 
 
 def read_head(
-    conn: Connection, parser: HttpRequestParser, url: bytes, fields: list[tuple[bytes, bytes]]
+    conn: ClientConnection,
+    parser: HttpRequestParser,
+    url: bytes,
+    fields: list[tuple[bytes, bytes]],
 ) -> tuple[Request, bool]:
     """The request whose head llhttp has read (its target ``url``, its ``fields``),
     and whether it waits for ``100 Continue``; a Refusal when it cannot be taken: a

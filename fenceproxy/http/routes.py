@@ -1,5 +1,7 @@
 """Validated route specs compiled once into what a request needs: the longest
-matching path, the job id from the path, the fencing headers as ``istr``.
+matching path, the job id from the path, the fencing headers as ``istr``. A spec is
+read through :class:`RouteSource`, what this layer needs of an entry of the config's
+``routes:``; the config itself is never imported here.
 
 Routes are matched against the canonical path (:mod:`fenceproxy.http.target`), decoded,
 at segment boundaries: ``/billing`` matches ``/billing`` and ``/billing/...``, never
@@ -13,17 +15,78 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from multidict import istr
 from yarl import URL
 
-from ..config import RouteSpec
 from ..errors import NoRoute, RequestTargetNotCanonical
 from ..fence.write import Fence
 from ..tls import ClientTLS
 from .target import PathMode, RequestPath, decode_path
 
-__all__ = ["Route", "Router"]
+__all__ = ["FenceSource", "Route", "RouteSource", "Router", "TlsSource"]
+
+
+class FenceSource(Protocol):
+    """What a route's ``fence:`` says (the config's ``FenceSpec``)."""
+
+    @property
+    def methods(self) -> Iterable[str] | None: ...
+    @property
+    def job_header(self) -> str: ...
+    @property
+    def token_header(self) -> str: ...
+    @property
+    def key_header(self) -> str: ...
+    @property
+    def scope_headers(self) -> Iterable[str]: ...
+    @property
+    def on_duplicate(self) -> str: ...
+    @property
+    def tokens(self) -> str: ...
+    @property
+    def check_lease(self) -> bool: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def order(self) -> str: ...
+
+
+class TlsSource(Protocol):
+    """How a route speaks TLS to its upstream (the config's ``UpstreamTlsSpec``)."""
+
+    def client(self) -> ClientTLS: ...
+
+
+class RouteSource(Protocol):
+    """An entry of the config's ``routes:`` (``fenceproxy.config.RouteSpec``), validated,
+    as a route is compiled from it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def upstream(self) -> str: ...
+    @property
+    def fence(self) -> FenceSource | None: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def quarantine(self) -> float: ...
+    @property
+    def max_body(self) -> int: ...
+    @property
+    def match_case(self) -> bool: ...
+    @property
+    def paths(self) -> PathMode: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def tls(self) -> TlsSource | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +113,7 @@ class Route:
     _pattern: re.Pattern[str] | None
 
     @classmethod
-    def compile(cls, spec: RouteSpec) -> Route:
+    def compile(cls, spec: RouteSource) -> Route:
         url = URL(spec.upstream)
         fence = None
         job_in_path = "{job}" in spec.path
@@ -124,7 +187,7 @@ class Router:
 
     __slots__ = ("_routes",)
 
-    def __init__(self, specs: Iterable[RouteSpec]) -> None:
+    def __init__(self, specs: Iterable[RouteSource]) -> None:
         routes = [Route.compile(spec) for spec in specs]
         self._routes = tuple(sorted(routes, key=lambda r: len(r.path), reverse=True))
 

@@ -5,7 +5,8 @@ the socket and the handler. The head is read once, fields kept as the bytes that
 came and as one case-insensitive mapping; an answer goes out in one write when it
 is whole.
 
-What a client may hold of the proxy (``limits:`` in the config, nginx's defaults):
+What a client may hold of the proxy (:class:`Limits`, the data plane's own, built
+from ``limits:`` in the config; nginx's defaults):
 
 * **the request head** must arrive within ``header_timeout`` of its first byte (or of
   the connection's opening): 408 and the connection is closed;
@@ -53,7 +54,14 @@ protocol (``Upgrade``) is answered as plain HTTP/1.1, then the connection is
 closed: nothing sent behind it is read as a request.
 
 A handler runs to its end even when its client leaves (a fenced write must settle),
-unless the plane is made with ``handler_cancellation``.
+unless the plane is made with ``handler_cancellation``. A handler that fails (a bug)
+is answered 500, saying whether the request may have reached an upstream
+(:attr:`Request.forwarding <fenceproxy.http.request.Request.forwarding>`).
+
+A connection lives in two halves, each in a state of its own
+(:mod:`~fenceproxy.http.connection_states`, one table): :class:`Connection` is its
+reading half, the protocol llhttp's callbacks build requests in, and
+:class:`Answering` its answering half.
 """
 
 from __future__ import annotations
@@ -66,9 +74,9 @@ import ssl
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
-from ..config import LimitsSpec
 from ..errors import (
     HeaderTimeout,
     InternalError,
@@ -82,22 +90,36 @@ from ..log import proxy_log, server_log
 from ..tls import subject
 from .answer import NO_BODY, Answer, head_bytes, problem_answer, raw_problem
 from .body import Flow
+from .connection_states import ANSWERING_STARTS, READING_STARTS, Event, State, move
 from .edge import LINGER_BYTES, LINGER_FOR, Every, connection_cap
-from .httptools_parser import HttpRequestParser, ParserUpgrade, parser_refusal
+from .httptools_parser import HttpRequestParser, ParserUpgrade, ParsingStopped, feed
 from .request import (
     HTTP10,
     HTTP11,
     MAX_FIELDS,
     MAX_HEAD,
     MAX_LINE,
-    Body,
     Request,
     read_head,
     too_large,
 )
 from .upstream import TrustedProxies
 
-__all__ = ["Connection", "DataPlane", "Handler", "Listener"]
+# The states and events, bound once as module names: read off its Enum class, a member
+# takes EnumType's slow attribute path (on Python 3.11), and the data plane reads
+# them on every request (some twenty times: 2 µs of a request's 15, measured).
+OPENED, IDLE, HEAD, BODY = State.OPENED, State.IDLE, State.HEAD, State.BODY
+UPGRADE_BODY, LEFT_UNREAD, LINGERING = State.UPGRADE_BODY, State.LEFT_UNREAD, State.LINGERING
+OWES_NOTHING, ANSWERING, READ_AHEAD = State.OWES_NOTHING, State.ANSWERING, State.READ_AHEAD
+CLOSING, CLOSED = State.CLOSING, State.CLOSED
+HEAD_BEGINS, HEAD_READ, BODY_READ = Event.HEAD_BEGINS, Event.HEAD_READ, Event.BODY_READ
+UPGRADED, NOT_TAKEN, REFUSED = Event.UPGRADED, Event.NOT_TAKEN, Event.REFUSED
+CLIENT_DONE, ANSWER_ENDS = Event.CLIENT_DONE, Event.ANSWER_ENDS
+LINGER, LINGER_OVER, OWED = Event.LINGER, Event.LINGER_OVER, Event.OWED
+CAUGHT_UP, ALL_ANSWERED, CLOSE_AFTER = Event.CAUGHT_UP, Event.ALL_ANSWERED, Event.CLOSE_AFTER
+CLOSE, LOST = Event.CLOSE, Event.LOST
+
+__all__ = ["Answering", "Connection", "DataPlane", "Handler", "Limits", "Listener"]
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
@@ -109,8 +131,20 @@ _NEVER = float("inf")
 _TERMINAL_CHUNK = b"0\r\n\r\n"
 
 
-class _Stop(Exception):
-    """Raised from a parser callback to stop parsing what one read brought."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """What one client may hold of the proxy's port (the config's ``limits:``)."""
+
+    header_timeout: float
+    """A request head must arrive within this of its first byte (or of the opening)."""
+    keepalive_timeout: float
+    """An idle keep-alive connection is closed after this."""
+    send_timeout: float
+    """The longest wait for a client to take the next part of an answer."""
+    max_connections: int
+    """Open client connections; lowered to fit the descriptor limit."""
+    max_connections_per_client: int | None
+    """Of those, the most one client may hold; None: a tenth of the cap as lowered."""
 
 
 class _Refused:
@@ -135,7 +169,7 @@ class DataPlane:
     def __init__(
         self,
         handler: Handler,
-        limits: LimitsSpec,
+        limits: Limits,
         *,
         max_connections: int | None = None,
         access_log: logging.Logger | None = None,
@@ -163,7 +197,7 @@ class DataPlane:
     def __call__(self) -> Connection:
         return Connection(self)
 
-    def reconfigure(self, limits: LimitsSpec, trusted: TrustedProxies) -> None:
+    def reconfigure(self, limits: Limits, trusted: TrustedProxies) -> None:
         """Hold every connection to ``limits`` from now on (a reload): a new connection
         gets the new keep-alive timeout, a new request head the new deadline, and
         the cap applies at the next connection."""
@@ -297,8 +331,8 @@ class DataPlane:
 
 
 class _Lingering:
-    """A connection that answered before its request's body was in, dropping what the
-    client still sends: done once the client closes or ``LINGER_BYTES`` came."""
+    """What a lingering connection drops of what the client still sends: done once
+    the client closes or ``LINGER_BYTES`` came."""
 
     __slots__ = ("_dropped", "_left")
 
@@ -316,9 +350,17 @@ class _Lingering:
             self._left.set_result(None)
 
 
+_PARSED = frozenset({OPENED, IDLE, HEAD, BODY})
+"""Where what the client sends is fed to llhttp."""
+_WORKING = frozenset({ANSWERING, READ_AHEAD, CLOSING})
+
+
 class Connection(Flow):
-    """One client connection: llhttp's callbacks build each request, the handler
-    answers them one at a time, in order."""
+    """One client connection, and its reading half: llhttp's callbacks build each
+    request from what the socket brings, held to the limits at the door, and hand it
+    to the answering half (:attr:`answers`), which answers them one at a time, in
+    order. :attr:`state` is where the reading half stands
+    (:mod:`~fenceproxy.http.connection_states`)."""
 
     def __init__(self, plane: DataPlane) -> None:
         super().__init__()
@@ -333,6 +375,8 @@ class Connection(Flow):
         """``https`` on a TLS connection."""
         self.subject: dict[str, str] = {}
         """The subject of the client certificate TLS verified, if the client sent one."""
+        self.state = READING_STARTS
+        self.answers = Answering(self, plane, self._loop)
         self._parser = HttpRequestParser(self)
         # The head being parsed.
         self._url = b""
@@ -341,24 +385,21 @@ class Connection(Flow):
         self._reported = False  # a callback came during this feed
         self._head_size = 0  # of the head (or trailer fields) being read
         self._trailers = 0  # trailer fields of the body being received
-        self._in_head = False
         self._receiving: Request | None = None  # the request whose body is arriving
         self._upgrade_left = 0  # body bytes of an Upgrade request llhttp left to us
-        self._parsing = True  # False once nothing more is read as a request
-        self._queue: deque[Request | _Refused] = deque()
-        self.task: asyncio.Task[None] | None = None
-        """Answering the requests in the queue, if there are any."""
-        self._owes_continue: Request | None = None
         self.due = _NEVER
         """The loop's time when what the connection waits for is late (its request
         head, or its next request), looked at by :meth:`DataPlane._watch`."""
-        self._waits_for: str | None = None  # "head" or "idle"
-        self._closing = False  # closed once the answers owed are sent
-        self._stopped = False  # pipelined beyond MAX_AHEAD: what came after is unread
-        self._lost = False
         self._departed: asyncio.Future[None] | None = None  # made when a handler asks
-        self._lingering: _Lingering | None = None
-        self._lingered = False
+        self._lingering: _Lingering | None = None  # while lingering
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """Answering the requests owed, if any are."""
+        return self.answers.task
+
+    def _go(self, event: Event) -> None:
+        self.state = move(self.state, event)
 
     # -- the transport's side ---------------------------------------------------------
 
@@ -373,7 +414,7 @@ class Connection(Flow):
             if not plane.is_open(self) or plane.shutting_down:
                 transport.abort()  # closed for another, or shutting down, meanwhile
                 return
-            self._begin()
+            self._deadline(plane.limits.header_timeout)
             return
         self.peer = _peer(transport)
         refused = "shutting down" if plane.shutting_down else plane.opened(self)
@@ -386,27 +427,26 @@ class Connection(Flow):
                     )
                 )
             )
-            self._parsing = False
-            transport.close()
+            self._go(REFUSED)
+            self.close()
             return
-        self._begin()
-
-    def _begin(self) -> None:
-        self._wait("head", self._plane.limits.header_timeout)
+        self._deadline(plane.limits.header_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering is not None:
+        state = self.state
+        if state is LINGERING:
+            assert self._lingering is not None
             self._lingering.drop(len(data))  # never parsed, never buffered
             return
         self._plane.touched(self)
-        if self._upgrade_left:
+        if state is UPGRADE_BODY:
             self._take_upgrade_body(data)
             return
-        if not self._parsing:
+        if state not in _PARSED:
             return
         self._reported = False
         try:
-            self._parser.feed_data(data)
+            feed(self._parser, data)
             # llhttp holds what it has not reported (a field that never ends): no
             # more than MAX_HEAD of it, give or take one read.
             self._unreported = 0 if self._reported else self._unreported + len(data)
@@ -414,13 +454,10 @@ class Connection(Flow):
                 raise RequestHeadTooLarge(too_large())
         except ParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
+        except ParsingStopped:
+            self._not_taken()
         except Refusal as refusal:
             self._refuse_input(refusal)
-        except Exception as exc:  # httptools' errors: the table in httptools_parser
-            if isinstance(exc.__context__, _Stop):
-                self._stop_reading()
-            else:
-                self._refuse_input(parser_refusal(exc))
 
     def eof_received(self) -> bool:
         """The client will send no more: a body cut short fails; answers owed still go
@@ -428,13 +465,14 @@ class Connection(Flow):
         receiving = self._receiving
         if receiving is not None:
             receiving.body.fail(ConnectionResetError("the client closed mid-body"))
-        self._parsing = False
+        self._go(CLIENT_DONE)
         if self._lingering is not None:
             self._lingering.end()
             return False
-        if not self._queue:
+        answers = self.answers
+        if not answers.queue or answers.state not in _WORKING:
             return False  # nothing owed: the transport closes itself
-        self._closing = True
+        answers.close_after()
         return True
 
     def gone(self) -> asyncio.Future[None]:
@@ -443,43 +481,41 @@ class Connection(Flow):
         anyone who waits for it."""
         if self._departed is None:
             self._departed = self._loop.create_future()
-            if self._lost:
+            if self.state is CLOSED:
                 self._departed.set_result(None)
         return self._departed
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._lost = True
+        self._go(LOST)
         if self._departed is not None and not self._departed.done():
             self._departed.set_result(None)
         self._plane.closed(self)
-        self._wait(None)
+        self.due = _NEVER
         if self._lingering is not None:  # the client is gone: nothing more to drop
             self._lingering.end()
-        lost = ConnectionResetError("the client's connection closed")
-        for item in self._queue:
-            if isinstance(item, Request):
-                item.body.fail(lost)
-                item.body.discard()
+        answers = self.answers
+        answers.lost()
         self.flow_lost()
-        if self.task is not None and self._plane.handler_cancellation:
-            self.task.cancel()
+        if answers.task is not None and self._plane.handler_cancellation:
+            answers.task.cancel()
 
     # -- llhttp's callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self._closing and self._queue:
-            raise _Stop  # shutting down, or the client is done sending: no more requests
-        if len(self._queue) > MAX_AHEAD:
-            raise _Stop  # pipelined beyond what is taken: parse no further
-        self._in_head = True
+        answers = self.answers
+        if answers.state is CLOSING and answers.queue:
+            raise ParsingStopped  # shutting down, or the client is done sending
+        if len(answers.queue) > MAX_AHEAD:
+            raise ParsingStopped  # pipelined beyond what is taken: parse no further
+        # The first head's deadline runs from the opening; one read ahead, from when
+        # the proxy reads again.
+        if self.state is IDLE and not self._held:
+            self._deadline(self._plane.limits.header_timeout)
+        self._go(HEAD_BEGINS)
         self._url = b""
         self._fields = []
         self._head_size = 0
         self._reported = True
-        # The first head's deadline runs from the opening; one read ahead, from when
-        # the proxy reads again.
-        if self._waits_for != "head" and not self._held:
-            self._wait("head", self._plane.limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -494,7 +530,7 @@ class Connection(Flow):
         self._head_size += len(name) + len(value) + 4
         if self._head_size > MAX_HEAD:
             raise RequestHeadTooLarge(too_large())
-        if not self._in_head:
+        if self.state is not HEAD:
             self._trailers += 1  # a trailer field: read, never forwarded
             if self._trailers > MAX_FIELDS:
                 raise RequestHeadTooLarge(too_large())
@@ -504,19 +540,16 @@ class Connection(Flow):
         self._fields.append((name, value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
         self._head_size = 0
         self._trailers = 0
         self._reported = True
-        self._wait(None)
+        self.due = _NEVER
         request, expects = read_head(self, self._parser, self._url, self._fields)
-        if expects:
-            self._owes_continue = request
+        self._go(HEAD_READ)
         self._receiving = request
-        self._queue.append(request)
-        if len(self._queue) > 1:
-            self.hold_reading(_READ_AHEAD)  # one request read ahead, no more
-        self._answer_in_turn()
+        if expects:
+            self.answers.owes_continue = request
+        self.answers.owe(request)
 
     def on_body(self, data: bytes) -> None:
         self._reported = True
@@ -531,6 +564,7 @@ class Connection(Flow):
             return  # an Upgrade request's body, if any, is taken by _upgraded
         receiving.body.finish()
         self._receiving = None
+        self._go(BODY_READ)
 
     # -- reading requests -------------------------------------------------------------
 
@@ -538,15 +572,10 @@ class Connection(Flow):
         """llhttp stops at the head of a request that asks for another protocol:
         nothing after it is read as a request; its body, when it declares one, is
         taken as its length says."""
-        self._parsing = False
         request = self._receiving
-        if request is None:
-            return
+        assert request is not None  # llhttp stops after the head it reported
+        self._go(UPGRADED)
         self._upgrade_left = request.content_length or 0
-        if not self._upgrade_left:
-            request.body.finish()
-            self._receiving = None
-            return
         self._take_upgrade_body(rest)
 
     def _take_upgrade_body(self, data: bytes) -> None:
@@ -559,15 +588,15 @@ class Connection(Flow):
         if not self._upgrade_left:
             request.body.finish()
             self._receiving = None
+            self._go(BODY_READ)
 
     def _refuse_input(self, refusal: Refusal) -> None:
         """What came in cannot be read as a request: the refusal is answered once the
         answers owed before it are sent, and nothing more is read."""
-        self._parsing = False
-        self._in_head = False
-        self._wait(None)
+        self._go(REFUSED)
+        self.due = _NEVER
         receiving = self._receiving
-        if receiving is not None and receiving in self._queue:
+        if receiving is not None and receiving in self.answers.queue:
             # Its head was read: the refusal is its body's (broken framing).
             receiving.body.fail(refusal)
             self._receiving = None
@@ -579,80 +608,136 @@ class Connection(Flow):
             refusal.slug,
             refusal.detail,
         )
-        self._queue.append(_Refused(refusal))
-        self._answer_in_turn()
+        self.answers.owe(_Refused(refusal))
 
-    def _wait(self, what: str | None, seconds: float = 0.0) -> None:
-        """Wait for ``what`` (``head``, ``idle``), ``seconds`` at most; None: for nothing."""
-        self._waits_for = what
-        self.due = _NEVER if what is None else self._loop.time() + seconds
-
-    def expire(self) -> None:
-        """What the connection waited for is late (:attr:`due`). A head's deadline
-        does not run while the proxy holds reading: it starts again when it reads."""
-        what = self._waits_for
-        self._wait(None)
-        if what == "head" and self._held and self._queue:
-            return
-        if what == "head":
-            self._head_too_slow()
-        elif what == "idle" and self.transport is not None:
-            self.transport.close()
-
-    def _head_too_slow(self) -> None:
-        timeout = self._plane.limits.header_timeout
-        self._plane.log(logging.INFO, "closed a connection: no request head within %gs", timeout)
-        self._refuse_input(HeaderTimeout(f"the request head did not arrive within {timeout:g}s"))
-
-    def reading_again(self) -> None:
-        if self._lingering is None:  # a lingering connection reads, and drops, anyway
-            super().reading_again()
-            if self._in_head and self._waits_for != "head":
-                self._wait("head", self._plane.limits.header_timeout)
-
-    def _stop_reading(self) -> None:
-        """No more is read as a request (a client pipelined beyond ``MAX_AHEAD``, or
-        the connection closes): the requests taken are answered, then it closes."""
-        if not self._closing:
+    def _not_taken(self) -> None:
+        """A request began that is not taken (a client pipelined beyond
+        ``MAX_AHEAD``, or the connection closes): the requests taken are answered,
+        then it closes."""
+        if self.answers.state is not CLOSING:
             self._plane.log(
                 logging.INFO,
                 "closing a connection after its answers: more than %d requests pipelined ahead",
                 MAX_AHEAD,
             )
-        self._parsing = False
-        self._in_head = False
-        self._closing = True
-        self._stopped = True
-        self._wait(None)
+        self._go(NOT_TAKEN)
+        self.due = _NEVER
+        self.answers.close_after()
+
+    def _deadline(self, seconds: float) -> None:
+        """What the reading half stands at (a head, the next request) is due within
+        ``seconds``."""
+        self.due = self._loop.time() + seconds
+
+    def expire(self) -> None:
+        """What the connection waited for is late (:attr:`due`): a request head (408),
+        or, idle, the next request (closed). A head's deadline does not run while the
+        proxy holds reading: it starts again when it reads."""
+        self.due = _NEVER
+        state = self.state
+        if state is HEAD and self._held and self.answers.queue:
+            return
+        if state is OPENED or state is HEAD:
+            timeout = self._plane.limits.header_timeout
+            self._plane.log(
+                logging.INFO, "closed a connection: no request head within %gs", timeout
+            )
+            self._refuse_input(
+                HeaderTimeout(f"the request head did not arrive within {timeout:g}s")
+            )
+        elif state is IDLE and self.answers.state is OWES_NOTHING:
+            self.close()
+
+    def reading_again(self) -> None:
+        if self.state is not LINGERING:  # a lingering one reads, and drops, anyway
+            super().reading_again()
+            if self.state is HEAD and self.due == _NEVER:
+                self._deadline(self._plane.limits.header_timeout)
 
     def send_continue(self, request: Request) -> None:
-        if self._owes_continue is not request:
-            return
-        self._owes_continue = None
-        body = request.body
-        if body.done or body.received or body.failed is not None:
-            return
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(_CONTINUE)
+        self.answers.send_continue(request)
 
-    # -- answering ----------------------------------------------------------------------
+    # -- the answering half's calls -----------------------------------------------------
+
+    def answered_all(self) -> None:
+        """Every answer owed is sent and the connection goes on: idle, it waits
+        ``keepalive_timeout`` for the next request."""
+        if self.state is IDLE:
+            self._deadline(self._plane.limits.keepalive_timeout)
+
+    @property
+    def goes_on(self) -> bool:
+        """Whether requests are still read, so the connection may go on once every
+        answer owed is sent."""
+        return self.state in _PARSED
+
+    @property
+    def sending(self) -> bool:
+        """Whether the client may still be sending what is never read: a head read
+        ahead, or a request left unread."""
+        return self.state is HEAD or self.state is LEFT_UNREAD
+
+    def stop_reading(self) -> None:
+        """An answer was the connection's last: nothing more is read as a request, nor
+        waited for."""
+        self._go(ANSWER_ENDS)
+        self.due = _NEVER
+
+    async def linger(self) -> None:
+        """After an answer given before the client was done sending: end the answer with
+        our side's FIN, then drop what the client still sends, below the parser, until
+        it closes, for ``LINGER_FOR`` at most and ``LINGER_BYTES`` at most, so that a
+        client still sending is not reset before it has read the answer. Not being
+        worked for, the connection may be taken back by the cap meanwhile."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        left = self._loop.create_future()
+        self._go(LINGER)
+        self._lingering = _Lingering(left)
+        self._held.clear()
+        with contextlib.suppress(RuntimeError):
+            transport.resume_reading()  # the body may have paused it, full
+        try:
+            async with asyncio.timeout(LINGER_FOR):
+                await left
+        except TimeoutError:
+            pass  # gone quiet: closed all the same
+        finally:
+            self._lingering = None
+            if self.state is LINGERING:  # not lost meanwhile
+                self._go(LINGER_OVER)
+
+    # -- the door -------------------------------------------------------------------------
 
     def busy(self) -> bool:
         """Whether the proxy is working for this client: its request is in whole and
         being answered (not idle, not still sending, not lingering)."""
-        if self.task is None or not self._queue or self._lingering is not None:
+        answers = self.answers
+        if answers.state not in _WORKING or not answers.queue or self.state is LINGERING:
             return False
-        first = self._queue[0]
+        first = answers.queue[0]
         return isinstance(first, _Refused) or first.body.done
 
     def close_when_done(self) -> None:
         """Take no more requests: close now if none is in hand, else once the answers
         owed are sent (a body still arriving is read to its end)."""
-        self._closing = True
         if self.handshaking is not None:
             self.abort()
-        elif self.task is None and self._receiving is None and self.transport is not None:
+        elif self.answers.state is OWES_NOTHING:
+            self.close()
+        elif self.answers.state is not CLOSED:
+            self.answers.close_after()
+
+    def close(self) -> None:
+        """Close the connection: what it buffers goes out first; nothing more is read
+        or answered."""
+        self.due = _NEVER
+        self._go(CLOSE)
+        self.answers.go(CLOSE)
+        if self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
@@ -662,37 +747,98 @@ class Connection(Flow):
             with contextlib.suppress(OSError):
                 self.handshaking.shutdown(socket.SHUT_RDWR)
 
-    def _answer_in_turn(self) -> None:
+
+class Answering:
+    """A connection's answering half: the requests it owes answers (and the refusals
+    of what came), answered one at a time, in order, by one task, each answer taken
+    by the client before the next request is handled. :attr:`state` is where it
+    stands (:mod:`~fenceproxy.http.connection_states`)."""
+
+    def __init__(self, conn: Connection, plane: DataPlane, loop: asyncio.AbstractEventLoop) -> None:
+        self._conn = conn
+        self._plane = plane
+        self._loop = loop
+        self.state = ANSWERING_STARTS
+        self.queue: deque[Request | _Refused] = deque()
+        self.task: asyncio.Task[None] | None = None
+        """Answering the requests in the queue, while any are owed."""
+        self.owes_continue: Request | None = None
+        """The request that waits for ``100 Continue`` before it sends its body."""
+
+    def go(self, event: Event) -> None:
+        self.state = move(self.state, event)
+
+    def owe(self, item: Request | _Refused) -> None:
+        """Answer ``item`` once the answers owed before it are sent. Behind one being
+        answered, a request was read ahead: reading waits until it is the one answered."""
+        self.queue.append(item)
+        self.go(OWED)
+        if len(self.queue) > 1 and isinstance(item, Request):
+            self._conn.hold_reading(_READ_AHEAD)  # one request read ahead, no more
         if self.task is None:
             self.task = self._loop.create_task(self._answer_all())
 
+    def close_after(self) -> None:
+        """Take no request after those owed: the connection closes once they are sent."""
+        self.go(CLOSE_AFTER)
+
+    def lost(self) -> None:
+        """The client is gone: what is owed is never sent, and the bodies still
+        arriving fail."""
+        self.go(LOST)
+        lost = ConnectionResetError("the client's connection closed")
+        for item in self.queue:
+            if isinstance(item, Request):
+                item.body.fail(lost)
+                item.body.discard()
+
+    def send_continue(self, request: Request) -> None:
+        if self.owes_continue is not request:
+            return
+        self.owes_continue = None
+        body = request.body
+        if body.done or body.received or body.failed is not None:
+            return
+        transport = self._conn.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_CONTINUE)
+
     async def _answer_all(self) -> None:
-        queue = self._queue
+        queue = self.queue
         try:
-            while queue and not self._lost:
+            while queue and self.state is not CLOSED:
                 item = queue[0]
                 if isinstance(item, _Refused):
                     went, _ = await self._send(item, problem_answer(item.refusal), close=True)
+                    self._ended()
                     if went:
-                        await self._linger(None)  # what came behind it is dropped
+                        await self._conn.linger()  # what came behind it is dropped
                     return
                 if not await self._answer(item):
                     return
                 queue.popleft()
-                if len(queue) <= 1 and not self._closing:
-                    self.release_reading(_READ_AHEAD)
+                if self.state is READ_AHEAD and len(queue) <= 1:
+                    self.go(CAUGHT_UP)
+                    self._conn.release_reading(_READ_AHEAD)
         finally:
             self.task = None
-            if not self._lost and self.transport is not None:
+            if self.state is not CLOSED:
                 self._after_answers()
 
     def _after_answers(self) -> None:
-        transport = self.transport
-        assert transport is not None
-        if self._closing or not self._parsing:
-            transport.close()
-        elif not self._queue and not self._in_head and self._receiving is None:
-            self._wait("idle", self._plane.limits.keepalive_timeout)
+        if self.state is ANSWERING and not self.queue and self._conn.goes_on:
+            self.go(ALL_ANSWERED)
+            self._conn.answered_all()
+            return
+        if self.state is not CLOSING:  # cut short (cancelled), or nothing more is read
+            self.go(CLOSE_AFTER)
+        self._conn.close()
+
+    def _ended(self) -> None:
+        """The answer just sent was the connection's last."""
+        if self.state is not CLOSED:
+            self._conn.stop_reading()
+            self.close_after()
 
     async def _answer(self, request: Request) -> bool:
         """Answer ``request``; whether the connection goes on. One that does not, and
@@ -703,24 +849,22 @@ class Connection(Flow):
             answer = await self._plane.handler(request)
         except Exception:  # a bug: logged with its traceback, answered 500
             server_log.exception("Error handling request")
-            answer = problem_answer(
-                InternalError("the proxy failed on this request; nothing was forwarded")
-            )
+            answer = problem_answer(_failed(request))
             answer.close = True
         body = request.body
         unread = not body.done
-        last = self._closing and len(self._queue) == 1  # the last answer owed
+        last = self.state is CLOSING and len(self.queue) == 1  # the last owed
         close = unread or answer.close or last or not request.keep_alive or request.upgrade
-        if self._owes_continue is request:
-            self._owes_continue = None
+        if self.owes_continue is request:
+            self.owes_continue = None
         went, goes_on = await self._send(request, answer, close=close)
         body.discard()  # what its handler did not read: freed, and reading let go
         if goes_on:
             return True
-        self._parsing = False
-        more = unread or self._in_head or len(self._queue) > 1 or self._stopped
+        more = unread or self._conn.sending or len(self.queue) > 1
+        self._ended()
         if went and more:
-            await self._linger(body if unread else None)
+            await self._conn.linger()
         return False
 
     async def _send(
@@ -728,7 +872,7 @@ class Connection(Flow):
     ) -> tuple[bool, bool]:
         """Write ``answer`` out: whether all of it went, and whether the connection
         goes on after it (not when ``close``, nor when its end is the connection's)."""
-        transport = self.transport
+        transport = self._conn.transport
         if transport is None or transport.is_closing():
             _finish(answer)
             return False, False
@@ -768,7 +912,7 @@ class Connection(Flow):
         the connection ends with it. If the upstream breaks off, or the client takes
         nothing for ``send_timeout``, the connection is cut, so the client never
         takes a cut answer for a whole one."""
-        transport = self.transport
+        transport = self._conn.transport
         assert transport is not None
         assert answer.stream is not None
         framed = answer.framed or head_only
@@ -784,7 +928,7 @@ class Connection(Flow):
                     _write(transport, answer.body, chunked)
                     sent += len(answer.body)
                 async for chunk in answer.stream:
-                    if self._lost:
+                    if self.state is CLOSED:
                         return False, sent, True  # the client went away
                     _write(transport, chunk, chunked)
                     sent += len(chunk)
@@ -801,48 +945,21 @@ class Connection(Flow):
     async def _flushed(self) -> bool:
         """Wait until the client takes what was written, ``send_timeout`` at most;
         False when it is gone, or took nothing for that long (its connection cut)."""
-        if not self.writing_paused:
-            return not self._lost
+        conn = self._conn
+        if not conn.writing_paused:
+            return self.state is not CLOSED
         timeout = self._plane.limits.send_timeout
         try:
             async with asyncio.timeout(timeout):
-                await self.drain()
+                await conn.drain()
         except TimeoutError:
             proxy_log.info("the client took no part of the answer for %gs: closed", timeout)
-            if self.transport is not None:
-                self.transport.abort()
+            if conn.transport is not None:
+                conn.transport.abort()
             return False
         except ConnectionError:
             return False  # the client went away
         return True
-
-    async def _linger(self, body: Body | None) -> None:
-        """After an answer given before the body was in: end the answer with our side's
-        FIN, then drop what the client still sends, below the parser, until it
-        closes, for ``LINGER_FOR`` at most and ``LINGER_BYTES`` at most, so that a
-        client still sending is not reset before it has read the answer. Not being
-        worked for, the connection may be taken back by the cap meanwhile."""
-        if body is not None:
-            body.discard()
-        transport = self.transport
-        if transport is None or transport.is_closing() or self._lingered:
-            return
-        self._lingered = True
-        if transport.can_write_eof():
-            transport.write_eof()
-        left = self._loop.create_future()
-        self._lingering = _Lingering(left)
-        self._held.clear()
-        with contextlib.suppress(RuntimeError):
-            transport.resume_reading()  # the body may have paused it, full
-        try:
-            async with asyncio.timeout(LINGER_FOR):
-                await left
-        except TimeoutError:
-            pass  # gone quiet: closed all the same
-        finally:
-            self._lingering = None
-        self._closing = True
 
     def _log_access(self, request: Request, status: int, sent: int) -> None:
         log = self._plane.access_log
@@ -852,7 +969,7 @@ class Connection(Flow):
         headers = request.headers
         log.info(
             '%s [%s] "%s %s HTTP/%d.%d" %d %d "%s" "%s"',
-            self.peer or "-",
+            self._conn.peer or "-",
             time.strftime("%d/%b/%Y:%H:%M:%S %z"),
             request.method,
             request.target,
@@ -863,6 +980,17 @@ class Connection(Flow):
             headers.get("Referer", "-"),
             headers.get("User-Agent", "-"),
         )
+
+
+def _failed(request: Request) -> InternalError:
+    """A handler's bug, told as it is: whether the request may have left for its
+    upstream before it."""
+    if request.forwarding:
+        return InternalError(
+            "the proxy failed on this request after it began forwarding it: "
+            "it may have reached the upstream"
+        )
+    return InternalError("the proxy failed on this request; nothing was forwarded")
 
 
 def _write(transport: asyncio.Transport, chunk: bytes, chunked: bool) -> None:

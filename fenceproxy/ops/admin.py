@@ -15,7 +15,12 @@ the proxy's port: what operators and their tools ask of a running proxy.
     GET /events?after=&job=&limit=    this proxy's last decisions and lease calls, and
                                       its refusals by kind (:mod:`fenceproxy.ops.recent`)
 
-The metrics are :class:`fenceproxy.ops.metrics.Metrics`.
+Its answers come from an :class:`~fenceproxy.ops.data.AdminData`: this process's
+(:class:`~fenceproxy.ops.data.ProcessData`), or its workers', read by their
+supervisor (:mod:`fenceproxy.server.workers`), which serves this same application;
+under ``workers:``, ``?worker=i`` has the page, ``/jobs`` and ``/events`` read worker
+``i``. Every refusal is rendered as the data plane renders its own
+(:func:`problem_response`, on :func:`fenceproxy.http.answer.problem_answer`).
 """
 
 from __future__ import annotations
@@ -42,16 +47,14 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..fence.fencing import parse_job
-from ..http.edge import problem_response
+from ..http.answer import problem_answer
 from ..leases.auth import LeaseCredentials
 from ..log import server_log
-from ..store import Store
-from ..store.base import JobView
-from .metrics import Metrics
+from .data import AdminData
 from .page import add_page
 from .recent import KEPT
 
-__all__ = ["admin_app", "guard", "page_url"]
+__all__ = ["admin_app", "guard", "page_url", "problem_response"]
 
 _MAX_PAGE = 1000
 
@@ -66,54 +69,53 @@ def page_url(config: Config) -> str | None:
     return f"{'http' if config.admin_tls is None else 'https'}://{name}:{port}/"
 
 
+def problem_response(refusal: Refusal) -> web.Response:
+    """``refusal`` as an RFC 9457 problem, as the data plane answers it (its status
+    line, ``Content-Type``, ``Retry-After``, ``WWW-Authenticate`` and body, all from
+    :func:`~fenceproxy.http.answer.problem_answer`), for aiohttp."""
+    answer = problem_answer(refusal)
+    return web.Response(
+        status=answer.status, reason=answer.reason, headers=answer.headers, body=answer.body
+    )
+
+
 def admin_app(
     config: Callable[[], Config],
-    store: Callable[[], Store],
-    metrics: Metrics,
+    data: AdminData,
     credentials: Callable[[], LeaseCredentials | None] = lambda: None,
 ) -> web.Application:
     """The admin listener's application; ``config`` gives the running config (it
-    changes on a reload), ``store`` the proxy's open store, ``credentials`` the bearer
+    changes on a reload), ``data`` what it shows, ``credentials`` the bearer
     credentials every request needs (but the probes, when ``admin_probes`` is open),
     if any."""
 
     async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"status": "serving"})
+        return web.json_response(await data.health())
 
     async def readyz(request: web.Request) -> web.Response:
         try:
-            await store().check()
+            return web.json_response(await data.ready())
         except StoreError as exc:
             server_log.warning("not ready: %s", exc)
             return problem_response(StoreNotReady(str(exc), retry_after=1.0))
-        server = store().server
-        if server.address is None:
-            return web.json_response({"status": "ready"})
-        return web.json_response(
-            {
-                "status": "ready",
-                "primary": server.address,
-                "connections": server.connections,
-                "failovers": server.changes,
-            }
-        )
 
     async def metrics_page(request: web.Request) -> web.Response:
-        response = web.Response(body=metrics.render())
+        response = web.Response(body=await data.metrics())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
     async def job(request: web.Request) -> web.Response:
         job_id = parse_job(request.match_info["job"], "path")
-        view = await store().inspect(job_id)
-        if not view.known:
+        view = await data.one(request.query.get("worker")).job(job_id)
+        if view is None:
             return problem_response(NoRoute(f"the store holds nothing of job {job_id!r}"))
-        return web.json_response(_job_json(view))
+        return web.json_response(view)
 
     async def jobs(request: web.Request) -> web.Response:
         query = request.query
         limit = _number(query, "limit", 100, 1, _MAX_PAGE)
-        found = await store().jobs(query.get("prefix", ""), query.get("after", ""), limit)
+        reads = data.one(query.get("worker"))
+        found = await reads.jobs(query.get("prefix", ""), query.get("after", ""), limit)
         return web.json_response(
             {"jobs": found, "next": found[-1] if len(found) == limit else None}
         )
@@ -122,15 +124,9 @@ def admin_app(
         query = request.query
         after = _number(query, "after", 0, 0, None)
         limit = _number(query, "limit", 100, 1, KEPT)
-        recent = metrics.recent
-        found = recent.after(after, job=query.get("job") or None, limit=limit)
-        return web.json_response(
-            {
-                "events": [e.json() for e in found],
-                "last": recent.last,
-                "refusals": recent.refusals(),
-            }
-        )
+        reads = data.one(query.get("worker"))
+        found = await reads.events(after, query.get("job") or None, limit)
+        return web.json_response(found.json())
 
     async def unknown(request: web.Request) -> web.Response:
         return problem_response(
@@ -152,7 +148,7 @@ def admin_app(
         return response
 
     app = web.Application(middlewares=[refusals])
-    add_page(app, config, store, metrics.recent, lambda: metrics.certificates)
+    add_page(app, data)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_page)
@@ -197,41 +193,6 @@ def _own_name(host: str, admin: str | None) -> bool:
             own.add((urlsplit(f"//{admin}").hostname or "").lower())
         return name.lower() in own
     return True
-
-
-def _job_json(view: JobView) -> dict[str, Any]:
-    lease = view.lease
-    return {
-        "job": view.job,
-        "now": view.now,
-        "generation": view.generation,
-        "generation_set_at": view.generation_set_at,
-        "lease": None
-        if lease is None
-        else {
-            "owner": lease.owner,
-            "generation": lease.generation,
-            "state": lease.state.value,
-            "live": lease.live(view.now),
-            "lease_until": lease.lease_until,
-            "expires_in": max(0.0, lease.lease_until - view.now),
-        },
-        "in_flight": None
-        if view.in_flight is None
-        else dict(zip(("holder", "state", "expires_at"), view.in_flight, strict=True)),
-        "keys": [
-            {
-                "route": k.route,
-                "key": k.key,
-                "state": k.state,
-                "generation": k.generation,
-                "status": k.status,
-                "created_at": k.created_at,
-                "expires_at": k.expires_at,
-            }
-            for k in view.keys
-        ],
-    }
 
 
 _PROBES = frozenset({"/healthz", "/readyz"})

@@ -9,15 +9,17 @@ job entered, what the store holds of it now and its timeline: the claims, renewa
 completions and releases (the generations and their holders) and the writes with
 their decisions, as this proxy saw them (:mod:`fenceproxy.ops.recent`).
 
-Every row is rendered here, the first time and as the page polls, so the script only
-places them. Every value is escaped; the page's Content-Security-Policy allows
+What it shows comes from an :class:`~fenceproxy.ops.data.AdminData`: this process's,
+or under ``workers:`` the worker ``?worker=`` names (the first by default), rendered
+here alike. Every row is rendered here, the first time and as the page polls, so the
+script only places them. Every value is escaped; the page's Content-Security-Policy allows
 nothing but this listener's own script and style.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from html import escape
 from importlib.resources import files
 from typing import Any
@@ -25,14 +27,10 @@ from typing import Any
 from aiohttp import web
 
 from .._version import __version__
-from ..config import Config, Presented
 from ..errors import Refusal, StoreError
 from ..fence.fencing import parse_job
-from ..fence.write import SAFE_METHODS
-from ..store import Store
-from ..store.base import JobView
-from ..store.url import parse_store_url
-from .recent import Event, Recent
+from .data import AdminData, CertificateRow, Reads, RouteRow, when
+from .recent import KEPT, Event
 
 __all__ = ["add_page"]
 
@@ -51,33 +49,33 @@ _STATIC = {
 }
 
 
-def add_page(
-    app: web.Application,
-    config: Callable[[], Config],
-    store: Callable[[], Store],
-    recent: Recent,
-    certificates: Callable[[], Iterable[Presented]],
-) -> None:
-    """Serve the page (``/``), its updates (``/page/feed``) and its two files;
-    ``certificates`` gives those the proxy presents, as last loaded."""
+def add_page(app: web.Application, data: AdminData) -> None:
+    """Serve the page (``/``), its updates (``/page/feed``) and its two files, from
+    ``data``: the process ``?worker=`` names, under ``workers:``."""
     static = {
         name: (files(__package__).joinpath("static", name).read_bytes(), kind)
         for name, kind in _STATIC.items()
     }
 
     async def page(request: web.Request) -> web.Response:
-        job, job_html = await _job_section(request.query.get("job"), store(), recent)
+        worker = request.query.get("worker") or ""
+        reads = data.one(worker)
+        job, job_html = await _job_section(request.query.get("job"), reads)
+        about = await reads.about()
+        shown = await reads.events(0, None, _SHOWN)
         html = _PAGE.format(
             version=escape(__version__),
-            listen=escape(config().listen),
-            store=escape(_store_shown(config().store, store())),
-            last=recent.last,
+            listen=escape(about.listen),
+            store=escape(about.store),
+            last=shown.last,
             job_attr=escape(job or "", quote=True),
-            refusals=_refusal_rows(recent),
-            events=_event_rows(reversed(recent.after(0, limit=_SHOWN)), with_job=True),
+            worker_attr=escape(worker, quote=True),
+            worker_field=_WORKER_FIELD.format(escape(worker, quote=True)) if worker else "",
+            refusals=_refusal_rows(shown.refusals),
+            events=_event_rows(reversed(shown.events), with_job=True),
             job=job_html,
-            routes=_route_rows(config()),
-            certificates=_certificate_rows(certificates(), time.time()),
+            routes=_route_rows(about.routes),
+            certificates=_certificate_rows(about.certificates),
         )
         return web.Response(text=html, content_type="text/html", headers=_HEADERS)
 
@@ -87,14 +85,14 @@ def add_page(
         except ValueError:
             after = 0
         job = request.query.get("job") or None
-        events = recent.after(after, limit=_SHOWN)
-        timeline = [e for e in events if job is not None and e.job == job]
+        shown = await data.one(request.query.get("worker")).events(after, None, _SHOWN)
+        timeline = [e for e in shown.events if job is not None and e.job == job]
         return web.json_response(
             {
-                "last": recent.last,
-                "events": _event_rows(reversed(events), with_job=True),
+                "last": shown.last,
+                "events": _event_rows(reversed(shown.events), with_job=True),
                 "timeline": _event_rows(timeline, with_job=False),
-                "refusals": _refusal_rows(recent),
+                "refusals": _refusal_rows(shown.refusals),
             },
             headers={"Cache-Control": "no-store"},
         )
@@ -115,7 +113,7 @@ def add_page(
         app.router.add_get(f"/static/{name}", serve_static(name))
 
 
-async def _job_section(asked: str | None, store: Store, recent: Recent) -> tuple[str | None, str]:
+async def _job_section(asked: str | None, reads: Reads) -> tuple[str | None, str]:
     """The job entered, and its section: what the store holds now and its timeline."""
     if not asked:
         return None, ""
@@ -124,10 +122,10 @@ async def _job_section(asked: str | None, store: Store, recent: Recent) -> tuple
     except Refusal as refusal:
         return None, f'<p class="problem">{escape(refusal.detail)}</p>'
     try:
-        now = _now_html(await store.inspect(job))
+        now = _now_html(await reads.job(job))
     except StoreError as exc:
         now = f'<p class="problem">the store could not be read: {escape(str(exc))}</p>'
-    events = recent.after(0, job=job)
+    events = (await reads.events(0, job, KEPT)).events
     timeline = _TIMELINE.format(
         hidden="" if events else " hidden", rows=_event_rows(events, with_job=False)
     )
@@ -139,34 +137,43 @@ async def _job_section(asked: str | None, store: Store, recent: Recent) -> tuple
     return job, f"<h3>{escape(job)}</h3>{now}<h4>Timeline</h4>{timeline}"
 
 
-def _now_html(view: JobView) -> str:
-    if not view.known:
+def _now_html(view: dict[str, Any] | None) -> str:
+    """A job as the store holds it (``/jobs/{job}``'s answer), or None: nothing."""
+    if view is None:
         return '<p class="empty">the store holds nothing of this job</p>'
     rows = []
-    if view.generation is not None:
-        assert view.generation_set_at is not None
-        rows.append(("generation", f"{view.generation}, set {_when(view.generation_set_at)}"))
-    lease = view.lease
+    if view["generation"] is not None:
+        rows.append(("generation", f"{view['generation']}, set {when(view['generation_set_at'])}"))
+    lease = view["lease"]
     if lease is None:
         rows.append(("lease", "none"))
     else:
-        left = lease.lease_until - view.now
-        state = f"live, {left:.1f} s left" if lease.live(view.now) else "not live"
+        left = lease["lease_until"] - view["now"]
+        state = f"live, {left:.1f} s left" if lease["live"] else "not live"
         rows.append(
-            ("lease", f"{lease.owner}, generation {lease.generation}, {lease.state.value}, {state}")
+            (
+                "lease",
+                f"{lease['owner']}, generation {lease['generation']}, {lease['state']}, {state}",
+            )
         )
-    if view.in_flight is None:
+    in_flight = view["in_flight"]
+    if in_flight is None:
         rows.append(("in flight", "nothing"))
     else:
-        holder, state, expires_at = view.in_flight
-        rows.append(("in flight", f"{state} (holder {holder}), until {_when(expires_at)}"))
-    for key in view.keys:
-        status = "-" if key.status is None else key.status
+        rows.append(
+            (
+                "in flight",
+                f"{in_flight['state']} (holder {in_flight['holder']}), "
+                f"until {when(in_flight['expires_at'])}",
+            )
+        )
+    for key in view["keys"]:
+        status = "-" if key["status"] is None else key["status"]
         rows.append(
             (
                 "key",
-                f"{key.key}: {key.state}, route {key.route}, generation {key.generation}, "
-                f"status {status}, {_when(key.created_at)}",
+                f"{key['key']}: {key['state']}, route {key['route']}, generation "
+                f"{key['generation']}, status {status}, {when(key['created_at'])}",
             )
         )
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
@@ -180,7 +187,7 @@ def _event_rows(events: Iterable[Event], *, with_job: bool) -> str:
 def _event_row(e: Event, with_job: bool) -> str:
     who = e.owner if e.action != "write" else e.key
     cells = [
-        f'<td title="{_when(e.at)}">{_clock(e.at)}</td>',
+        f'<td title="{when(e.at)}">{_clock(e.at)}</td>',
         _cell(e.action),
         *([_cell(e.job)] if with_job else []),
         _cell(e.route),
@@ -198,78 +205,39 @@ def _cell(value: object) -> str:
     return "<td>-</td>" if value is None else f"<td>{escape(str(value))}</td>"
 
 
-def _refusal_rows(recent: Recent) -> str:
-    rows = recent.refusals()
-    if not rows:
+def _refusal_rows(refusals: dict[str, list[int]]) -> str:
+    if not refusals:
         return '<tr class="empty"><td colspan="4">none</td></tr>'
     return "".join(
         f"<tr><td>{escape(kind)}</td>{''.join(f'<td>{n}</td>' for n in counts)}</tr>"
-        for kind, counts in rows.items()
+        for kind, counts in refusals.items()
     )
 
 
-def _store_shown(url: str, store: Store) -> str:
-    """The store as configured and, for a database, the server it reached last."""
-    where = parse_store_url(url).describe()
-    primary = store.server.address
-    return where if primary is None else f"{where}, primary {primary}"
+def _route_rows(routes: Iterable[RouteRow]) -> str:
+    return "".join(f"<tr>{''.join(_cell(v) for v in route)}</tr>" for route in routes)
 
 
-def _route_rows(config: Config) -> str:
-    out = []
-    for r in config.routes:
-        if r.fence is None:
-            fence = "pass-through"
-        else:
-            methods = (
-                ", ".join(r.fence.methods)
-                if r.fence.methods
-                else "all but " + ", ".join(sorted(SAFE_METHODS))
-            )
-            extra = [f"tokens {r.fence.tokens}"]
-            if r.fence.check_lease:
-                extra.append("lease-checked")
-            fence = f"{methods} ({'; '.join(extra)})"
-        out.append(
-            "<tr>"
-            + "".join(
-                _cell(v) for v in (r.name, r.path, r.upstream, fence, f"{r.timeout:g}s", r.max_body)
-            )
-            + "</tr>"
-        )
-    return "".join(out)
-
-
-def _certificate_rows(certificates: Iterable[Presented], now: float) -> str:
+def _certificate_rows(certificates: Iterable[CertificateRow]) -> str:
     """A row a certificate: whose, its file and subject, its end and the whole days
     left, and what clients will make of it, flagged (``ending``) when expired, not yet
     valid or within :data:`~fenceproxy.tls.ENDING` of its end."""
     out = []
-    for each in certificates:
-        cert = each.certificate
-        concern = cert.concern(now)
-        cells = (
-            f"{each.label} {each.name}",
-            cert.file,
-            cert.subject,
-            _when(cert.not_after),
-            cert.days_left(now),
-            concern or "",
-        )
-        flag = "" if concern is None else ' class="ending"'
+    for cert in certificates:
+        cells = (*cert[:-1], cert.concern or "")
+        flag = "" if cert.concern is None else ' class="ending"'
         out.append(f"<tr{flag}>{''.join(_cell(v) for v in cells)}</tr>")
     return "".join(out) or _NO_CERTIFICATE
 
 
+_WORKER_FIELD = '<input type="hidden" name="worker" value="{}">'
+"""The job form's field on a page opened for a worker (``?worker=``): the job asked
+for is read from that worker too."""
 _NO_CERTIFICATE = '<tr class="empty"><td colspan="6">none: nothing here presents one</td></tr>'
 
 
 def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}"
-
-
-def _when(at: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 _TIMELINE = """<table class="events"{hidden}><thead><tr><th>time (UTC)</th><th>what</th>
@@ -285,7 +253,7 @@ _PAGE = """<!doctype html>
 <link rel="stylesheet" href="/static/page.css">
 <script src="/static/page.js" defer></script>
 </head>
-<body data-last="{last}" data-job="{job_attr}">
+<body data-last="{last}" data-job="{job_attr}" data-worker="{worker_attr}">
 <header>
 <h1>fenceproxy <small>{version}</small></h1>
 <p>listening on {listen} &middot; store: {store} &middot;
@@ -302,7 +270,7 @@ _PAGE = """<!doctype html>
 <h2>Job</h2>
 <form method="get" action="/" id="job-form">
 <label for="job-input">job id</label>
-<input id="job-input" name="job" value="{job_attr}" required maxlength="256">
+<input id="job-input" name="job" value="{job_attr}" required maxlength="256">{worker_field}
 <button type="submit">Show</button>
 </form>
 <div id="job">{job}</div>

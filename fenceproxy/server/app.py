@@ -29,6 +29,7 @@ from aiohttp import web
 
 from ..config import (
     Config,
+    LimitsSpec,
     Presented,
     Reader,
     TlsContexts,
@@ -42,15 +43,16 @@ from ..config import (
     signing_keys,
     tls_contexts,
 )
-from ..errors import ConfigError, ListenError, Refusal
+from ..errors import ConfigError, InvariantError, ListenError, Refusal
 from ..http.answer import Answer, problem_answer
 from ..http.edge import Bodies, connection_cap, log_accept_errors
 from ..http.request import Request
 from ..http.routes import Router
-from ..http.server import DataPlane, Listener
+from ..http.server import DataPlane, Limits, Listener
 from ..http.upstream import TrustedProxies, UpstreamPool
 from ..log import configure_logging, proxy_log, server_log
 from ..ops.admin import admin_app
+from ..ops.data import ProcessData, data_app
 from ..ops.metrics import Metrics
 from ..spool import SpoolFolder, default_folder
 from ..store import Store, open_store
@@ -158,7 +160,7 @@ class FenceProxy:
         if self._store is not None:
             self._bind(self._store)
         if self._server is not None:
-            self._server.reconfigure(config.limits, self._bodies.trusted)
+            self._server.reconfigure(_door(config.limits), self._bodies.trusted)
 
     def _bind(self, store: Store) -> None:
         """Put the open store to work under the current settings."""
@@ -212,7 +214,8 @@ class FenceProxy:
 
     @property
     def store(self) -> Store:
-        assert self._store is not None, "the proxy is not open"
+        if self._store is None:
+            raise InvariantError("the proxy is not open")
         return self._store
 
     @property
@@ -222,7 +225,8 @@ class FenceProxy:
 
     @property
     def upstreams(self) -> UpstreamPool:
-        assert self._upstreams is not None, "the proxy is not open"
+        if self._upstreams is None:
+            raise InvariantError("the proxy is not open")
         return self._upstreams
 
     async def __aenter__(self) -> FenceProxy:
@@ -255,7 +259,7 @@ class FenceProxy:
         (:mod:`fenceproxy.http.server`); ``kwargs`` go to it (``access_log``,
         ``max_connections``, ``handler_cancellation``)."""
         server = self._server = DataPlane(
-            self.handle, self.config.limits, trusted=self._bodies.trusted, **kwargs
+            self.handle, _door(self.config.limits), trusted=self._bodies.trusted, **kwargs
         )
         self.metrics.watch(
             bodies_held=lambda: self._bodies.held,
@@ -263,20 +267,21 @@ class FenceProxy:
         )
         return server
 
-    def admin(self, *, private: bool = False) -> web.Application:
-        """The admin listener's application (:mod:`fenceproxy.ops.admin`); ``private``
-        (a worker's, on its supervisor's socket) takes no credentials."""
-        return admin_app(
-            lambda: self.config,
-            lambda: self.store,
-            self.metrics,
-            (lambda: None) if private else (lambda: self.admin_clients),
-        )
+    def admin(self) -> web.Application:
+        """The admin listener's application (:mod:`fenceproxy.ops.admin`), on this
+        process's data (:meth:`admin_data`)."""
+        return admin_app(lambda: self.config, self.admin_data(), lambda: self.admin_clients)
+
+    def admin_data(self) -> ProcessData:
+        """What the admin listener shows of this process: its store, its metrics and
+        decisions, its running config (:mod:`fenceproxy.ops.data`)."""
+        return ProcessData(lambda: self.config, lambda: self.store, self.metrics)
 
     async def handle(self, request: Request) -> Answer:
         """Answer one request: the lease API under its prefix, a route otherwise.
         Refusals become RFC 9457 problem answers, each logged once."""
-        assert self._proxy is not None, "the proxy is not open"
+        if self._proxy is None:
+            raise InvariantError("the proxy is not open")
         try:
             raw = request.path
             prefix = self._lease_prefix
@@ -353,6 +358,17 @@ def _reload_certificates(tls: TlsContexts, config: Config) -> None:
             raise ConfigError("config", [(key, str(exc))]) from None
 
 
+def _door(limits: LimitsSpec) -> Limits:
+    """The data plane's limits at the door, as the config sets them."""
+    return Limits(
+        header_timeout=limits.header_timeout,
+        keepalive_timeout=limits.keepalive_timeout,
+        send_timeout=limits.send_timeout,
+        max_connections=limits.max_connections,
+        max_connections_per_client=limits.max_connections_per_client,
+    )
+
+
 def _under(path: str, prefix: str) -> bool:
     return len(path) == len(prefix) or path[len(prefix)] == "/"
 
@@ -374,7 +390,7 @@ async def serve(
     reloads the config (:func:`_reload`); one that comes while it starts is done
     once it serves. With ``seat`` it is one of several workers
     (:mod:`fenceproxy.server.workers`): it shares its port with the others, and
-    serves its admin application on the seat's own socket for the supervisor."""
+    serves its admin data on the seat's own socket for the supervisor."""
     if seat is None or seat.index == 0:
         _warn_open_lease_api(config)
         _warn_unverified_upstreams(config)
@@ -404,9 +420,9 @@ async def serve(
             proxy.server(access_log=access_log, max_connections=max_connections),
             config.shutdown_timeout,
         )
-        admin = web.AppRunner(
-            proxy.admin(private=seat is not None), access_log=None, handle_signals=False
-        )
+        # A worker serves its data to its supervisor, which serves the admin listener.
+        app = proxy.admin() if seat is None else data_app(proxy.admin_data())
+        admin = web.AppRunner(app, access_log=None, handle_signals=False)
         await admin.setup()
         try:
             await _listen_plane(

@@ -251,6 +251,7 @@ class Proxy:
         async with self._turns.take(out.write, route) as turn:
             if turn.replay is not None:
                 return replayed(turn.replay)
+            request.forwarding = True
             upstream, body, whole = await self._exchange(turn, route, out)
         if whole and out.write.key is not None:
             upstream.release()

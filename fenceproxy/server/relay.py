@@ -80,6 +80,7 @@ class Relay:
         """Send ``body`` (``length`` bytes, None: chunked) and relay the answer."""
         fields, host = self.head(request, route, fenced=mark is not None)
         payload = body.payload() if isinstance(body, HeldBody) else body
+        request.forwarding = True
         upstream = await self._upstreams.send(
             route, request.method, target, fields, payload, host=host, length=length
         )

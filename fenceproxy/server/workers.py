@@ -18,12 +18,14 @@ The supervisor:
   within ``shutdown_timeout``), then exits;
 * starts a worker that died again (a second later if it died within
   ``_QUICK_DEATH`` of starting), so the port keeps its N processes;
-* serves the admin listener, refusing what a worker's own would
-  (:func:`fenceproxy.ops.admin.guard`): ``/metrics`` is every worker's, each sample
+* serves the admin listener: the application one process serves
+  (:func:`fenceproxy.ops.admin.admin_app`), on data it asks its workers for
+  (:class:`WorkersData`; each worker serves its own on a Unix socket,
+  :func:`fenceproxy.ops.data.data_app`): ``/metrics`` is every worker's, each sample
   labelled ``worker="i"``; ``/healthz`` and ``/readyz`` answer 200 only when every
-  worker does; everything else (the page, ``/jobs``, ``/events``) is worker 0's,
-  whose views of the store are every worker's, its answer relayed with its fields,
-  and ``?worker=i`` asks another.
+  worker does, else as the first failing one; the page, ``/jobs`` and ``/events``
+  read worker 0, whose views of the store are every worker's, and ``?worker=i``
+  another.
 
 A worker dies with its supervisor (``PR_SET_PDEATHSIG``): a supervisor killed with
 ``kill -9`` leaves no worker holding the port.
@@ -41,45 +43,37 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..config import Config, Reader, admin_credentials, parse_listen, restart_only, tls_contexts
-from ..errors import ConfigError, ListenError, ProxyBusy, Refusal, RequestMalformed
-from ..http.edge import problem_response
-from ..leases.auth import LeaseCredentials
+from ..errors import ConfigError, ListenError, RequestMalformed
 from ..log import server_log
-from ..ops.admin import guard, page_url
+from ..ops.admin import admin_app, page_url
+from ..ops.data import WorkerData
 from ..tls import reload_server
 
-__all__ = ["Seat", "merge_metrics", "supervise", "worker_argv"]
+__all__ = ["Seat", "WorkersData", "merge_metrics", "supervise", "worker_argv"]
+
+_T = TypeVar("_T")
 
 _SEAT = "FENCEPROXY_WORKER"
 """The environment variable that makes ``serve`` a worker: ``INDEX:READY_FD:SOCKET``."""
 _QUICK_DEATH = 5.0
 _PR_SET_PDEATHSIG = 1
-# How long the supervisor waits for a worker's admin answer.
-_ASK_TIMEOUT = 10.0
-_OWN_FIELDS = frozenset(
-    {"connection", "content-length", "date", "keep-alive", "server", "transfer-encoding"}
-)
-"""A worker's answer's fields that were its connection's: the supervisor's own
-connection sets its own."""
 
 
 @dataclass(frozen=True)
 class Seat:
     """Where one worker sits: its number, the pipe it says it is ready on, and the
-    Unix socket it serves its admin application on for the supervisor."""
+    Unix socket it serves its admin data on for the supervisor."""
 
     index: int
     ready_fd: int
@@ -110,7 +104,8 @@ class _Worker:
         self.socket = str(folder / f"worker-{index}.sock")
         self.process: asyncio.subprocess.Process | None = None
         self.started = 0.0
-        self.session: aiohttp.ClientSession | None = None
+        self.data = WorkerData(index, self.socket)
+        """What its admin data says, asked on its socket."""
 
     async def start(self) -> bool:
         """Start it and wait until it listens; False when it exited first."""
@@ -136,27 +131,8 @@ class _Worker:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signum)
 
-    async def ask(self, path: str, method: str = "GET") -> web.Response:
-        """``method`` ``path`` of its admin application: its answer, with its fields
-        (the page's Content-Security-Policy, a problem's Retry-After) but those of
-        the connection it came on."""
-        if self.session is None or self.session.closed:
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.socket),
-                timeout=aiohttp.ClientTimeout(total=_ASK_TIMEOUT),
-            )
-        async with self.session.request(method, f"http://worker{path}") as answer:
-            body = await answer.read()
-            fields = CIMultiDict(
-                (name, value)
-                for name, value in answer.headers.items()
-                if name.lower() not in _OWN_FIELDS
-            )
-            return web.Response(status=answer.status, body=body, headers=fields)
-
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        await self.data.close()
 
 
 def _die_with_parent() -> None:
@@ -214,7 +190,8 @@ async def supervise(
             server_log.error("a worker could not start; stopping the others")
             return 2
         if config.admin is not None:
-            app = _admin_app(workers, lambda: running[0])
+            data = WorkersData([w.data for w in workers])
+            app = admin_app(lambda: running[0][0], data, lambda: running[0][1])
             admin = web.AppRunner(app, access_log=None, handle_signals=False)
             await admin.setup()
             host, port = parse_listen(config.admin)
@@ -313,67 +290,45 @@ class _Fixed:
         return self._families
 
 
-def _admin_app(
-    workers: list[_Worker], running: Callable[[], tuple[Config, LeaseCredentials | None]]
-) -> web.Application:
-    """The supervisor's admin listener; ``running`` gives the config and credentials
-    it refuses by (:func:`~fenceproxy.ops.admin.guard`, as a worker's own would)."""
+class WorkersData:
+    """The admin listener's data under ``workers:`` (an
+    :class:`~fenceproxy.ops.data.AdminData`), asked of the workers: the metrics of
+    every one, each sample labelled ``worker="i"``; the probes' answers when every
+    one answers (worker 0's), else the first failure in their order; the rest of the
+    one ``?worker=`` names, worker 0 by default."""
 
-    async def metrics(request: web.Request) -> web.StreamResponse:
-        answers = await asyncio.gather(*(w.ask("/metrics") for w in workers))
-        pages = [(w.index, a.text or "") for w, a in zip(workers, answers, strict=True)]
-        return web.Response(
-            body=merge_metrics(pages), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    def __init__(self, workers: Sequence[WorkerData]) -> None:
+        self._workers = list(workers)
+
+    def one(self, worker: str | None) -> WorkerData:
+        which = worker or "0"
+        if not (which.isascii() and which.isdigit()) or int(which) >= len(self._workers):
+            raise RequestMalformed(
+                f"?worker= takes a worker's number, 0 to {len(self._workers) - 1}"
+            )
+        return self._workers[int(which)]
+
+    async def metrics(self) -> bytes:
+        pages = await _every([w.metrics() for w in self._workers])
+        return merge_metrics(
+            (w.index, page.decode()) for w, page in zip(self._workers, pages, strict=True)
         )
 
-    async def every(request: web.Request) -> web.StreamResponse:
-        """200 when every worker answers 200: worker 0's answer; else the first other."""
-        path = request.path_qs
-        answers = await asyncio.gather(*(_ask(w, path) for w in workers))
-        return next((a for a in answers if a.status != 200), answers[0])
+    async def health(self) -> dict[str, Any]:
+        return (await _every([w.health() for w in self._workers]))[0]
 
-    async def one(request: web.Request) -> web.StreamResponse:
-        query = request.rel_url.query
-        which = query.get("worker", "0")
-        if not which.isdigit() or int(which) >= len(workers):
-            return problem_response(
-                RequestMalformed(f"?worker= takes a worker's number, 0 to {len(workers) - 1}")
-            )
-        rest = query.copy()
-        rest.popall("worker", None)
-        path = request.rel_url.with_query(rest)
-        # A HEAD asked as a GET: this server gives its head, the body's length and all.
-        method = "GET" if request.method == "HEAD" else request.method
-        return await _ask(workers[int(which)], str(path), method)
-
-    @web.middleware
-    async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            guard(request, *running())
-        except Refusal as refusal:
-            return problem_response(refusal)
-        response: web.StreamResponse = await handler(request)
-        return response
-
-    app = web.Application(middlewares=[gate])
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", every)
-    app.router.add_get("/readyz", every)
-    app.router.add_route("*", "/{tail:.*}", one)
-    return app
+    async def ready(self) -> dict[str, Any]:
+        return (await _every([w.ready() for w in self._workers]))[0]
 
 
-async def _ask(worker: _Worker, path: str, method: str = "GET") -> web.Response:
-    try:
-        return await worker.ask(path, method)
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        return problem_response(
-            ProxyBusy(
-                f"worker {worker.index} does not answer ({exc or type(exc).__name__}): it "
-                "is starting or stopping",
-                retry_after=1.0,
-            )
-        )
+async def _every(asked: list[Awaitable[_T]]) -> list[_T]:
+    """Every answer, all asked at once; the first failure, in the workers' order."""
+    found: list[_T] = []
+    for answer in await asyncio.gather(*asked, return_exceptions=True):
+        if isinstance(answer, BaseException):
+            raise answer
+        found.append(answer)
+    return found
 
 
 def worker_argv(args: Sequence[str]) -> list[str]:

@@ -8,6 +8,7 @@
   const KEPT = 2000; // timeline rows kept, as many as the proxy keeps
   const body = document.body;
   const job = body.dataset.job || "";
+  const worker = body.dataset.worker || ""; // under workers: the one this page reads
   const events = document.getElementById("events");
   const refusals = document.getElementById("refusals");
   const timeline = document.getElementById("timeline");
@@ -17,6 +18,9 @@
   async function poll() {
     try {
       const query = new URLSearchParams({ after: String(last), job });
+      if (worker) {
+        query.set("worker", worker);
+      }
       const answer = await fetch(`/page/feed?${query}`, { cache: "no-store" });
       if (!answer.ok) {
         throw new Error(`the admin listener answered ${answer.status}`);
