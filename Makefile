@@ -88,8 +88,8 @@ test: model-tools
 	[ $$rest = 0 ] && [ $$checked = 0 ]
 
 lint: $(STAMP)
-	$(BIN)/ruff check fenceproxy tests bench examples model
-	$(BIN)/ruff format --check fenceproxy tests bench examples model
+	$(BIN)/ruff check fenceproxy tests bench examples model docs/diagrams.py
+	$(BIN)/ruff format --check fenceproxy tests bench examples model docs/diagrams.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -14,7 +14,9 @@ cannot drift from the code unnoticed:
 * ``json``: parsed; ``http``: a request line, header fields, and a JSON body parsed;
 * ``js`` and ``java``: excerpts of examples/worker.mjs and examples/Worker.java (which
   tests/test_examples.py runs), each line found there, in the same order;
-* ``text``: shown (logs and output); only the names in it are checked, below.
+* ``text``: shown (logs and output); only the names in it are checked, below;
+* ``mermaid``: a diagram, drawn in a real browser from the built site, offline; a state
+  diagram is drawn from its table by docs/diagrams.py, and must be what it draws now.
 
 A block marked ``<!-- skip: why -->`` is not checked. Also: README.md stays a front
 page (250 lines at most), every relative link points to a file that exists (and an
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import ast
 import base64
+import collections
+import hashlib
 import importlib
 import importlib.util
 import itertools
@@ -40,6 +44,8 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Whose names and links are checked too: the threat model sends readers to code and tests.
 NAMED_PAGES = [*PAGES, ROOT / "THREAT_MODEL.md"]
-LANGUAGES = {"yaml", "python", "sh", "console", "json", "http", "text", "js", "java"}
+LANGUAGES = {"yaml", "python", "sh", "console", "json", "http", "text", "js", "java", "mermaid"}
 README_MAX_LINES = 250
 
 # What a fragment is merged into: config/minimal.yaml, as the docs show it.
@@ -744,8 +750,10 @@ def test_every_metric_the_pages_name_is_one_the_proxy_serves() -> None:
     series."""
     metrics = _metrics()
     assert {"fenceproxy_decisions_total", "fenceproxy_upstream_seconds_bucket"} <= metrics
-    store = "".join(file.read_text() for file in (ROOT / "fenceproxy" / "store").glob("*.py"))
-    functions = set(re.findall(r"\bFUNCTION\s+(fenceproxy_\w+)", store))
+    store = ROOT / "fenceproxy" / "store"  # its code, and its schema's files
+    sources = [*store.glob("*.py"), *store.glob("migrations/postgresql/*.sql")]
+    code = "".join(file.read_text() for file in sources)
+    functions = set(re.findall(r"\bFUNCTION\s+(fenceproxy_\w+)", code))
     broken = []
     for page in NAMED_PAGES:
         for n, line in enumerate(page.read_text().split("\n"), 1):
@@ -755,3 +763,123 @@ def test_every_metric_the_pages_name_is_one_the_proxy_serves() -> None:
                                   "defines (fenceproxy/ops/metrics.py), nor a function of "
                                   "its PostgreSQL store")  # fmt: skip
     assert not broken, "\n".join(broken)
+
+
+# --- Diagrams: drawn from the code's tables, by the vendored Mermaid, offline ------------
+
+
+def _diagrams() -> Any:
+    """docs/diagrams.py, the script that draws the state diagrams from their tables."""
+    spec = importlib.util.spec_from_file_location("diagrams", ROOT / "docs" / "diagrams.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_state_diagram_is_what_its_table_draws() -> None:
+    """The state diagrams of the pages (the fenced write's, with what each end asks of
+    the store) are drawn from the tables the code runs on: a move added, dropped or
+    sent elsewhere, or an end settled otherwise, and its diagram is out of date until
+    ``python3 docs/diagrams.py`` redraws it."""
+    diagrams = _diagrams()
+    assert diagrams.TABLES
+    for name, drawing in diagrams.TABLES.items():
+        text = (ROOT / "docs" / drawing.page).read_text()
+        now = diagrams.redraw(text, name)
+        assert now == text, f"docs/{drawing.page}: not what {name} draws: python3 docs/diagrams.py"
+
+
+def _state_tables() -> set[str]:
+    """The package's module-level tables named ``...TRANSITIONS``, by dotted name."""
+    found = set()
+    for file in (ROOT / "fenceproxy").rglob("*.py"):
+        module = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.parse(file.read_text()).body:
+            targets = getattr(node, "targets", [getattr(node, "target", None)])  # =, or : T =
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            found |= {f"{module}.{name}" for name in names if name.endswith("TRANSITIONS")}
+    return found
+
+
+def test_every_state_table_of_the_package_is_drawn() -> None:
+    """Every state table of the package (a module's ``...TRANSITIONS``) has its
+    diagram on a page: a machine given a table is drawn as soon as it has one."""
+    tables = _state_tables()
+    assert "fenceproxy.fence.write.TRANSITIONS" in tables  # the search finds tables
+    missing = sorted(tables - set(_diagrams().TABLES))
+    assert not missing, (f"{', '.join(missing)}: no diagram; list it in docs/diagrams.py's "
+                         "TABLES with its page, then run python3 docs/diagrams.py")  # fmt: skip
+
+
+MERMAID = ROOT / "docs" / "vendor" / "mermaid" / "mermaid.tiny.js"
+VENDORED = re.compile(
+    r"`@mermaid-js/tiny`\s+(?P<version>[\d.]+).*?sha256\s+`(?P<sha256>[0-9a-f]{64})`", re.S
+)
+
+
+def test_the_vendored_mermaid_is_the_release_development_md_records() -> None:
+    """The Mermaid the site loads is the release docs/development.md names, byte for
+    byte (its SHA-256), at that version: a file changed or replaced without its record
+    fails, so what readers run is what was reviewed."""
+    record = VENDORED.search((ROOT / "docs" / "development.md").read_text())
+    assert record is not None, "docs/development.md records the vendored Mermaid"
+    data = MERMAID.read_bytes()
+    where = MERMAID.relative_to(ROOT)
+    assert hashlib.sha256(data).hexdigest() == record["sha256"], f"{where}: not the file recorded"
+    assert f'"{record["version"]}"'.encode() in data, f"{where}: not {record['version']}"
+    assert (MERMAID.parent / "LICENSE").read_text().startswith("The MIT License")
+
+
+CHROMIUM = shutil.which("chromium")
+
+
+def _fetched_beyond_the_page(netlog: Path) -> list[str]:
+    """The URLs a page asked for (the requests of a file:// top frame, in Chromium's
+    net log) other than files: Chromium's own requests are not the page's."""
+    log = json.loads(netlog.read_text())
+    start = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
+    requests = [event["params"] for event in log["events"] if event["type"] == start]
+    return [
+        request["url"]
+        for request in requests
+        if request.get("network_isolation_key", "").startswith("file://")
+        and not request.get("url", "file:").startswith("file:")
+    ]
+
+
+def _open_offline(page: Path, folder: Path) -> tuple[str, list[str]]:
+    """``page`` opened in headless Chromium with every request to the network refused
+    (through a proxy that is not there): its DOM once its scripts are done, and what
+    it asked the network for."""
+    netlog = folder / f"{page.stem}.netlog.json"
+    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+            "--disable-background-networking", "--proxy-server=127.0.0.1:9",
+            f"--user-data-dir={folder / 'profile'}", f"--log-net-log={netlog}",
+            "--virtual-time-budget=10000", "--dump-dom", page.as_uri()]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout, _fetched_beyond_the_page(netlog)
+
+
+@pytest.mark.slow
+def test_every_diagram_of_the_site_draws_offline(tmp_path: Path) -> None:
+    """A reader of the built site sees every diagram drawn with no network: each
+    ``mermaid`` block of docs/ is drawn by the vendored Mermaid in a real browser
+    (Debian's chromium), and a page with one asks the network for nothing."""
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (make servers)")
+    site = tmp_path / "site"
+    build = [sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(ROOT / "mkdocs.yml"),
+             "-d", str(site)]  # fmt: skip
+    subprocess.run(build, check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    diagrams = collections.Counter(
+        b.path.stem for b in BLOCKS if b.lang == "mermaid" and b.path.parent.name == "docs"
+    )
+    # The worked example, where the proxy sits, the fenced write's states.
+    assert {"protocol", "index", "fenced-write-states"} <= set(diagrams)
+    for page, count in diagrams.items():
+        dom, fetched = _open_offline(site / f"{page}.html", tmp_path)
+        assert dom.count('<div class="mermaid">') == count, f"docs/{page}.md: not drawn"
+        assert '<pre class="mermaid"' not in dom, f"docs/{page}.md: a diagram left undrawn"
+        assert fetched == [], f"docs/{page}.md: asked the network for {fetched}"
