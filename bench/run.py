@@ -602,84 +602,69 @@ def report(table: list[Setup], rounds: int, seconds: float, connections: int) ->
     return targets(rows)
 
 
+@dataclass(frozen=True)
+class Target:
+    """One setup's median ``key`` over another's: PASS or MISS as it is ``op`` (">="
+    or "<=") ``bound``, or only shown where ``op`` is None."""
+
+    text: str
+    setup: str
+    against: str
+    key: str
+    op: str | None = None
+    bound: float = 0.0
+
+
+TARGETS = [
+    Target("pass-through CPU/request <= 1.5x nginx's", "pass-through", "nginx", "cpu_us",
+           "<=", 1.5),
+    Target("fenced req/s >= 0.45x direct", "fenced", "direct", "rps", ">=", 0.45),
+    Target("fenced req/s >= 0.8x nginx", "fenced", "nginx", "rps", ">=", 0.8),
+    Target("fenced p99 <= 1.5x nginx's", "fenced", "nginx", "p99_ms", "<=", 1.5),
+    Target("fenced CPU/request <= 3x nginx's", "fenced", "nginx", "cpu_us", "<=", 3.0),
+    Target("hot job by generation >= 0.5x fenced", "hot job by gen", "fenced", "rps", ">=", 0.5),
+    Target("hot job, job order, vs fenced", "hot job", "fenced", "rps"),
+    Target("fenced over TLS req/s vs plain", "fenced tls", "fenced", "rps"),
+    Target("fenced over TLS CPU/request vs plain", "fenced tls", "fenced", "cpu_us"),
+    Target("workers: 2 pass-through >= 1.7x workers: 1", "w2 pass-through", "w1 pass-through",
+           "rps", ">=", 1.7),
+    Target("workers: 2 pg fenced >= 1.4x workers: 1", "w2 pg fenced", "w1 pg fenced", "rps",
+           ">=", 1.4),
+    Target("workers: 2 pass-through vs nginx w2", "w2 pass-through", "nginx w2", "rps"),
+    Target("1M jobs req/s >= 0.8x 1k jobs", "fenced, 1M jobs", "fenced", "rps", ">=", 0.8),
+    Target("a key's CPU <= 1.3x fenced", "keys", "fenced", "cpu_us", "<=", 1.3),
+    Target("raising req/s >= 0.35x direct", "raising", "direct", "rps", ">=", 0.35),
+    # PostgreSQL: the proxy and the database share core 0, as the proxy alone does
+    # on SQLite; CPU per write counts both.
+    Target("pg fenced req/s >= 0.7x SQLite's", "pg fenced", "fenced", "rps", ">=", 0.7),
+    Target("pg fenced req/s >= 0.5x pgbench's", "pg fenced", "pgbench", "rps", ">=", 0.5),
+    Target("pg 1M jobs req/s >= 0.8x 1k jobs", "pg fenced, 1M jobs", "pg fenced", "rps", ">=", 0.8),
+    Target("pg fenced CPU/write <= 2x SQLite's", "pg fenced", "fenced", "cpu_us", "<=", 2.0),
+    Target("pg a key's CPU <= 1.3x fenced", "pg keys", "pg fenced", "cpu_us", "<=", 1.3),
+    Target("pg fenced p99 <= 2x SQLite's", "pg fenced", "fenced", "p99_ms", "<=", 2.0),
+    Target("pg two proxies req/s >= 1.0x one", "pg x2 fenced", "pg fenced", "rps", ">=", 1.0),
+    Target("pg two proxies CPU <= 1.2x one", "pg x2 fenced", "pg fenced", "cpu_us", "<=", 1.2),
+]  # fmt: skip
+
+
 def targets(rows: dict[str, Setup]) -> list[str]:
-    """The targets, each PASS or MISS, from this run's medians; the misses."""
-
-    def ratio(a: str, b: str, key: str) -> float | None:
-        if a in rows and b in rows:
-            return median(rows[a], key) / median(rows[b], key)
-        return None
-
-    checks = [
-        (
-            "pass-through CPU/request <= 1.5x nginx's",
-            ratio("pass-through", "nginx", "cpu_us"),
-            "<=",
-            1.5,
-        ),
-        ("fenced req/s >= 0.45x direct", ratio("fenced", "direct", "rps"), ">=", 0.45),
-        ("fenced req/s >= 0.8x nginx", ratio("fenced", "nginx", "rps"), ">=", 0.8),
-        ("fenced p99 <= 1.5x nginx's", ratio("fenced", "nginx", "p99_ms"), "<=", 1.5),
-        ("fenced CPU/request <= 3x nginx's", ratio("fenced", "nginx", "cpu_us"), "<=", 3.0),
-        (
-            "hot job by generation >= 0.5x fenced",
-            ratio("hot job by gen", "fenced", "rps"),
-            ">=",
-            0.5,
-        ),
-        ("hot job, job order, vs fenced", ratio("hot job", "fenced", "rps"), None, 0),
-        ("fenced over TLS req/s vs plain", ratio("fenced tls", "fenced", "rps"), None, 0),
-        ("fenced over TLS CPU/request vs plain", ratio("fenced tls", "fenced", "cpu_us"), None, 0),
-        (
-            "workers: 2 pass-through >= 1.7x workers: 1",
-            ratio("w2 pass-through", "w1 pass-through", "rps"),
-            ">=",
-            1.7,
-        ),
-        (
-            "workers: 2 pg fenced >= 1.4x workers: 1",
-            ratio("w2 pg fenced", "w1 pg fenced", "rps"),
-            ">=",
-            1.4,
-        ),
-        (
-            "workers: 2 pass-through vs nginx w2",
-            ratio("w2 pass-through", "nginx w2", "rps"),
-            None,
-            0,
-        ),
-        ("1M jobs req/s >= 0.8x 1k jobs", ratio("fenced, 1M jobs", "fenced", "rps"), ">=", 0.8),
-        ("a key's CPU <= 1.3x fenced", ratio("keys", "fenced", "cpu_us"), "<=", 1.3),
-        ("raising req/s >= 0.35x direct", ratio("raising", "direct", "rps"), ">=", 0.35),
-        # PostgreSQL: the proxy and the database share core 0, as the proxy alone does
-        # on SQLite; CPU per write counts both.
-        ("pg fenced req/s >= 0.7x SQLite's", ratio("pg fenced", "fenced", "rps"), ">=", 0.7),
-        ("pg fenced req/s >= 0.5x pgbench's", ratio("pg fenced", "pgbench", "rps"), ">=", 0.5),
-        (
-            "pg 1M jobs req/s >= 0.8x 1k jobs",
-            ratio("pg fenced, 1M jobs", "pg fenced", "rps"),
-            ">=",
-            0.8,
-        ),
-        ("pg fenced CPU/write <= 2x SQLite's", ratio("pg fenced", "fenced", "cpu_us"), "<=", 2.0),
-        ("pg a key's CPU <= 1.3x fenced", ratio("pg keys", "pg fenced", "cpu_us"), "<=", 1.3),
-        ("pg fenced p99 <= 2x SQLite's", ratio("pg fenced", "fenced", "p99_ms"), "<=", 2.0),
-        ("pg two proxies req/s >= 1.0x one", ratio("pg x2 fenced", "pg fenced", "rps"), ">=", 1.0),
-        ("pg two proxies CPU <= 1.2x one", ratio("pg x2 fenced", "pg fenced", "cpu_us"), "<=", 1.2),
-    ]
+    """The targets, each PASS or MISS, from this run's medians, for the setups run; the
+    misses."""
     print()
     missed = []
-    for text, value, op, bound in checks:
-        if value is None:
+    for target in TARGETS:
+        if target.setup not in rows or target.against not in rows:
             continue
-        if op is None:
-            print(f"       {text}: {value:.2f}")
+        key, bound = target.key, target.bound
+        value = median(rows[target.setup], key) / median(rows[target.against], key)
+        if target.op is None:
+            print(f"       {target.text}: {value:.2f}")
             continue
-        ok = value >= bound if op == ">=" else value <= bound
+        ok = value >= bound if target.op == ">=" else value <= bound
         shown = f"{value:.2f}" if ok or round(value, 2) != bound else f"{value:.3f}"
-        print(f"{'PASS' if ok else 'MISS'}   {text}: {shown}")
+        print(f"{'PASS' if ok else 'MISS'}   {target.text}: {shown}")
         if not ok:
-            missed.append(text)
+            missed.append(target.text)
     return missed
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,13 @@ from fenceproxy.errors import Refusal
 from fenceproxy.fence.fencing import Admit, Busy, FencedWrite, Replay
 from fenceproxy.server.app import FenceProxy
 from fenceproxy.store import PostgresStore, Store
-from fenceproxy.testing import FakeClock, ProxyProcess, ProxyTestServer, RecordingUpstream
+from fenceproxy.testing import (
+    FakeClock,
+    ProxyProcess,
+    ProxyTestServer,
+    RecordingUpstream,
+    free_port,
+)
 
 from .nginx import NGINX, Nginx
 from .postgres import PostgresServer, required_postgres_bin, sql
@@ -252,6 +259,31 @@ async def raw_request(port: int, data: bytes) -> bytes:
         return await reader.read()
     finally:
         writer.close()
+
+
+@asynccontextmanager
+async def running(
+    config: str | os.PathLike[str], *args: str, port: int | None = None
+) -> AsyncIterator[ProxyProcess]:
+    """A proxy process serving ``config`` (``args`` added to its command line) for the
+    block, on ``port`` or a free one; killed as the block ends, even by a failure."""
+    proxy = await ProxyProcess(config, free_port() if port is None else port, *args).start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+async def refused_start(config: str | os.PathLike[str]) -> str:
+    """What a proxy process that does not start with ``config`` says as it exits (a
+    start that succeeds fails the test)."""
+    proxy = ProxyProcess(config, free_port())
+    try:
+        with pytest.raises(RuntimeError) as stopped:
+            await proxy.start()
+    finally:
+        await proxy.stop()
+    return str(stopped.value)
 
 
 def write_decisions(proxy: ProxyProcess, job: str) -> list[dict[str, Any]]:

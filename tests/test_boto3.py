@@ -45,13 +45,25 @@ class Setup:
     """Straight to moto: what S3 holds."""
     leases: SyncLeaseClient
 
-    def fenced(self, headers: Callable[[], Mapping[str, str]]) -> tuple[Any, list[Any]]:
-        """A client through the proxy, fenced with ``headers``, and the list of every
-        attempt it sends (each as signed, on the wire)."""
-        client = fence_writes(self.moto.client(self.proxy.url), headers)
+    def fenced(
+        self, headers: Callable[[], Mapping[str, str]], via: str | None = None
+    ) -> tuple[Any, list[Any]]:
+        """A client through the proxy (or what stands at ``via`` in front of it), fenced
+        with ``headers``, and the list of every attempt it sends (each as signed, on the
+        wire)."""
+        client = fence_writes(self.moto.client(via or self.proxy.url), headers)
         sent: list[Any] = []
         client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request))
         return client, sent
+
+    def take_over(self, old: Grant, key: str) -> Grant:
+        """The job passes from worker-a, who gives ``old`` back, to worker-b, who puts
+        ``key`` (b's): from then on worker-a's headers are stale. Worker-b's grant."""
+        self.leases.release(old.job_id, "worker-a", old.generation)
+        new = self.leases.claim(old.job_id, "worker-b")
+        fresh, _ = self.fenced(held(new))
+        fresh.put_object(Bucket=self.bucket, Key=key, Body=b"b's")
+        return new
 
 
 @pytest.fixture
@@ -98,10 +110,7 @@ async def test_a_stale_put_object_is_refused_and_never_reaches_s3(setup: Setup) 
     old = setup.leases.claim("report-1", "worker-a")
     stale, stale_sent = setup.fenced(held(old))
     stale.put_object(Bucket=setup.bucket, Key="daily.csv", Body=b"a's first")
-    setup.leases.release("report-1", "worker-a", old.generation)
-    new = setup.leases.claim("report-1", "worker-b")
-    fresh, _ = setup.fenced(held(new))
-    fresh.put_object(Bucket=setup.bucket, Key="daily.csv", Body=b"b's")
+    new = setup.take_over(old, "daily.csv")
 
     stale_sent.clear()
     with pytest.raises(FenceRefused) as refused:
@@ -123,10 +132,7 @@ async def test_a_stale_upload_part_and_complete_are_refused(setup: Setup) -> Non
     upload = stale.create_multipart_upload(Bucket=setup.bucket, Key="big.bin")["UploadId"]
     part = {"Bucket": setup.bucket, "Key": "big.bin", "UploadId": upload}
     first = stale.upload_part(**part, PartNumber=1, Body=b"1" * 5 * MiB)
-    setup.leases.release("report-2", "worker-a", old.generation)
-    new = setup.leases.claim("report-2", "worker-b")
-    fresh, _ = setup.fenced(held(new))
-    fresh.put_object(Bucket=setup.bucket, Key="big.bin", Body=b"b's")
+    setup.take_over(old, "big.bin")
 
     stale_sent.clear()
     with pytest.raises(FenceRefused) as refused:
@@ -188,9 +194,7 @@ async def test_a_write_whose_answer_was_lost_is_retried_with_its_key_and_applied
 ) -> None:
     grant = setup.leases.claim("report-3", "worker-a")
     async with LosesOneAnswer(setup.proxy.port) as relay:
-        client = fence_writes(setup.moto.client(relay.url), held(grant))
-        sent: list[Any] = []
-        client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request))
+        client, sent = setup.fenced(held(grant), via=relay.url)
         relay.armed = True
         answer = await asyncio.to_thread(
             client.put_object, Bucket=setup.bucket, Key="once.csv", Body=b"applied once"

@@ -107,18 +107,28 @@ def applied(seq: int, op: str, generation: int, key: str | None = None) -> dict[
     return {"seq": seq, "op": op, "job": "j", "generation": generation, "key": key}
 
 
+def granted(ev: str, owner: str, generation: int) -> dict[str, Any]:
+    """A claim or a completion of job j that the proxy granted ``owner``."""
+    return {"ev": ev, "job": "j", "ok": True, "owner": owner, "generation": generation}
+
+
+def final_lease(state: str, owner: str, generation: int) -> dict[str, Any]:
+    """Job j's lease as the store holds it at the end of the run."""
+    return {"j": {"state": state, "owner": owner, "generation": generation}}
+
+
 def test_checker_passes_a_clean_history() -> None:
     ledger = [applied(1, "a", 1, "k1"), applied(2, "b", 2)]
     events = [
-        {"ev": "claim", "job": "j", "ok": True, "owner": "w1", "generation": 1},
-        {"ev": "claim", "job": "j", "ok": True, "owner": "w2", "generation": 2},
+        granted("claim", "w1", 1),
+        granted("claim", "w2", 2),
         write("a", 200),
         write("a", 200, replayed=True),
         write("b", 200),
         write("c", 409, "stale-generation"),
-        {"ev": "complete", "job": "j", "ok": True, "owner": "w2", "generation": 2},
+        granted("complete", "w2", 2),
     ]
-    final = {"j": {"state": "completed", "owner": "w2", "generation": 2}}
+    final = final_lease("completed", "w2", 2)
     assert check(ledger, events, final).violations == []
 
 
@@ -140,18 +150,11 @@ def test_checker_passes_a_clean_history() -> None:
         ),
         pytest.param([applied(1, "x", 1)], [], {}, "sent by no worker", id="unsent-write"),
         pytest.param(
-            [],
-            [
-                {"ev": "claim", "job": "j", "ok": True, "owner": "w1", "generation": 1},
-                {"ev": "claim", "job": "j", "ok": True, "owner": "w2", "generation": 1},
-            ],
-            {"j": {"state": "held", "owner": "w2", "generation": 1}},
-            "granted to w2", id="generation-granted-twice",
+            [], [granted("claim", "w1", 1), granted("claim", "w2", 1)],
+            final_lease("held", "w2", 1), "granted to w2", id="generation-granted-twice",
         ),
         pytest.param(
-            [],
-            [{"ev": "claim", "job": "j", "ok": True, "owner": "w1", "generation": 3}],
-            {"j": {"state": "held", "owner": "w0", "generation": 2}},
+            [], [granted("claim", "w1", 3)], final_lease("held", "w0", 2),
             "generation 3 was granted", id="final-lease-behind",
         ),
         pytest.param(
@@ -159,18 +162,11 @@ def test_checker_passes_a_clean_history() -> None:
             "but applied by the upstream", id="refused-but-applied",
         ),
         pytest.param(
-            [],
-            [
-                {"ev": "complete", "job": "j", "ok": True, "owner": "w1", "generation": 1},
-                {"ev": "complete", "job": "j", "ok": True, "owner": "w2", "generation": 2},
-            ],
-            {"j": {"state": "completed", "owner": "w2", "generation": 2}},
-            "completed 2 times", id="completed-twice",
+            [], [granted("complete", "w1", 1), granted("complete", "w2", 2)],
+            final_lease("completed", "w2", 2), "completed 2 times", id="completed-twice",
         ),
         pytest.param(
-            [],
-            [{"ev": "complete", "job": "j", "ok": True, "owner": "w1", "generation": 1}],
-            {"j": {"state": "completed", "owner": "w2", "generation": 2}},
+            [], [granted("complete", "w1", 1)], final_lease("completed", "w2", 2),
             "highest generation is 2", id="completed-by-stale-holder",
         ),
     ],

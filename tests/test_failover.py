@@ -18,7 +18,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,16 +160,16 @@ async def worker(
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[tuple[RecordingUpstream, Ledger]]:
+def ledger(upstream: RecordingUpstream) -> Ledger:
+    """A ledger in which the upstream notes every write it applies."""
     ledger = Ledger()
-    async with RecordingUpstream.serve() as recording:
 
-        async def applied(request: web.Request, received: Received) -> web.StreamResponse:
-            ledger.applied.append((time.monotonic(), received))
-            return web.json_response({"applied": True})
+    async def applied(request: web.Request, received: Received) -> web.StreamResponse:
+        ledger.applied.append((time.monotonic(), received))
+        return web.json_response({"applied": True})
 
-        recording.respond = applied
-        yield recording, ledger
+    upstream.respond = applied
+    return ledger
 
 
 async def readiness(http: aiohttp.ClientSession, proxy: ProxyProcess) -> dict[str, Any]:
@@ -193,10 +193,10 @@ async def until(
 
 async def test_a_failover_under_traffic_loses_nothing_and_lets_nothing_stale_through(
     cluster: PatroniCluster,
-    upstream: tuple[RecordingUpstream, Ledger],
+    upstream: RecordingUpstream,
+    ledger: Ledger,
     tmp_path: Path,
 ) -> None:
-    recording, ledger = upstream
     url = cluster.url()
     assert await migrate_store(url) == (0, SCHEMA_VERSION)
     proxies = []
@@ -205,7 +205,7 @@ async def test_a_failover_under_traffic_loses_nothing_and_lets_nothing_stale_thr
         config.write_text(
             f"store: '{url}?pool=4&require_sync=true'\nleases: {{}}\nshutdown_timeout: 2s\n"
             f"admin: 127.0.0.1:{free_port()}\nroutes:\n"
-            f"  - {{name: api, path: /api, upstream: '{recording.url}', timeout: 1s,"
+            f"  - {{name: api, path: /api, upstream: '{upstream.url}', timeout: 1s,"
             " quarantine: 1s}\n"
         )
         proxies.append(await ProxyProcess(config, free_port(), "--log-level", "WARNING").start())

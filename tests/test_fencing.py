@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -130,6 +131,24 @@ def test_parse_generation_returns_an_in_range_int_or_refuses(value: str) -> None
 # --- parse_job and parse_key ---------------------------------------------------------
 
 
+def _returned_as_is_or_refused(
+    parse: Callable[[str, str], str],
+    header: str,
+    refusal: type[Refusal],
+    acceptable: Callable[[str], bool],
+    value: str,
+) -> None:
+    """``parse`` returns ``value`` unchanged when it is ``acceptable``, and refuses it
+    with ``refusal`` when it is not."""
+    try:
+        result = parse(value, header)
+    except refusal:
+        assert not acceptable(value)
+    else:
+        assert result == value
+        assert acceptable(value)
+
+
 def _is_acceptable_job(value: str) -> bool:
     try:
         size = len(value.encode("utf-8"))
@@ -151,13 +170,7 @@ def _is_acceptable_job(value: str) -> bool:
 @example("")
 @PROPERTY
 def test_parse_job_returns_input_or_refuses(value: str) -> None:
-    try:
-        result = parse_job(value, JOB)
-    except FencingHeaderMalformed:
-        assert not _is_acceptable_job(value)
-    else:
-        assert result == value
-        assert _is_acceptable_job(value)
+    _returned_as_is_or_refused(parse_job, JOB, FencingHeaderMalformed, _is_acceptable_job, value)
 
 
 def _is_acceptable_key(value: str) -> bool:
@@ -181,13 +194,7 @@ def _is_acceptable_key(value: str) -> bool:
 @example("")
 @PROPERTY
 def test_parse_key_returns_printable_ascii_or_refuses(value: str) -> None:
-    try:
-        result = parse_key(value, KEY)
-    except IdempotencyKeyMalformed:
-        assert not _is_acceptable_key(value)
-    else:
-        assert result == value
-        assert _is_acceptable_key(value)
+    _returned_as_is_or_refused(parse_key, KEY, IdempotencyKeyMalformed, _is_acceptable_key, value)
 
 
 # --- decide ----------------------------------------------------------------------------

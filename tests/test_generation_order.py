@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from fenceproxy.testing import RecordingUpstream, eventually
@@ -32,15 +33,18 @@ def routes(upstream: RecordingUpstream, order: str = "generation") -> list[dict[
     ]
 
 
+def part(proxy: Client, generation: int, body: dict[str, Any]) -> asyncio.Future[ClientResponse]:
+    """A write of job ``upload`` to the ``parts`` route, sent now and answered in the
+    background: several are in flight at once."""
+    return asyncio.ensure_future(fenced(proxy, "upload", generation, body=body, path="/parts/u"))
+
+
 async def test_writes_of_one_generation_reach_the_upstream_together(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
     proxy = await start_proxy(routes(upstream))
     release = upstream.hold()
-    writes = [
-        asyncio.ensure_future(fenced(proxy, "upload", 7, body={"part": n}, path="/parts/u"))
-        for n in range(8)
-    ]
+    writes = [part(proxy, 7, {"part": n}) for n in range(8)]
     # All eight are at the upstream at once, none answered yet.
     await upstream.wait_for(8)
     assert not any(w.done() for w in writes)
@@ -58,10 +62,7 @@ async def test_in_job_order_the_same_writes_go_one_at_a_time(
 ) -> None:
     proxy = await start_proxy(routes(upstream, order="job"))
     release = upstream.hold()
-    writes = [
-        asyncio.ensure_future(fenced(proxy, "upload", 7, body={"part": n}, path="/parts/u"))
-        for n in range(3)
-    ]
+    writes = [part(proxy, 7, {"part": n}) for n in range(3)]
     await upstream.wait_for(1)
     await eventually(lambda: _queued(proxy, "upload", 3))
     assert len(upstream.received) == 1
@@ -74,15 +75,12 @@ async def test_a_newer_generation_waits_for_every_older_write_in_flight(
 ) -> None:
     proxy = await start_proxy(routes(upstream))
     release = upstream.hold()
-    older = [
-        asyncio.ensure_future(fenced(proxy, "upload", 7, body={"g": 7, "n": n}, path="/parts/u"))
-        for n in range(3)
-    ]
+    older = [part(proxy, 7, {"g": 7, "n": n}) for n in range(3)]
     await upstream.wait_for(3)
-    newer = asyncio.ensure_future(fenced(proxy, "upload", 8, body={"g": 8}, path="/parts/u"))
+    newer = part(proxy, 8, {"g": 8})
     # A write of 7 that comes after 8 queues behind it, though 7s are in flight:
     # first come, first served, so the newer generation is not starved.
-    late = asyncio.ensure_future(fenced(proxy, "upload", 7, body={"g": 7, "n": 3}, path="/parts/u"))
+    late = part(proxy, 7, {"g": 7, "n": 3})
     await eventually(lambda: _queued(proxy, "upload", 5))
     assert len(upstream.received) == 3  # neither 8 nor the late 7 has gone
     release()
@@ -97,10 +95,10 @@ async def test_a_write_in_job_order_waits_for_the_shared_ones_and_they_for_it(
 ) -> None:
     proxy = await start_proxy(routes(upstream))
     release = upstream.hold()
-    shared = asyncio.ensure_future(fenced(proxy, "upload", 7, body={"w": "s1"}, path="/parts/u"))
+    shared = part(proxy, 7, {"w": "s1"})
     await upstream.wait_for(1)
     alone = asyncio.ensure_future(fenced(proxy, "upload", 7, body={"w": "alone"}))
-    shared2 = asyncio.ensure_future(fenced(proxy, "upload", 7, body={"w": "s2"}, path="/parts/u"))
+    shared2 = part(proxy, 7, {"w": "s2"})
     await eventually(lambda: _queued(proxy, "upload", 3))
     assert len(upstream.received) == 1
     release()
@@ -117,12 +115,9 @@ async def test_two_proxies_share_a_generation_and_order_the_next(
     a = await start_proxy(routes(upstream))
     b = await start_proxy(routes(upstream))
     release = upstream.hold()
-    sevens = [
-        asyncio.ensure_future(fenced(p, "upload", 7, body={"g": 7}, path="/parts/u"))
-        for p in (a, b, a, b)
-    ]
+    sevens = [part(p, 7, {"g": 7}) for p in (a, b, a, b)]
     await upstream.wait_for(4)
-    eight = asyncio.ensure_future(fenced(b, "upload", 8, body={"g": 8}, path="/parts/u"))
+    eight = part(b, 8, {"g": 8})
     # B polls the store: A's records and its own hold the job.
     await eventually(lambda: _queued(b, "upload", 3))
     assert len(upstream.received) == 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import pytest
@@ -75,6 +76,13 @@ async def send(port: int, data: bytes) -> Answer:
     return Answer(await raw_request(port, data))
 
 
+async def serving(start_proxy: ProxyFactory, routes: list[dict[str, Any]]) -> int:
+    """A proxy with ``routes``; the port to send it raw bytes on."""
+    proxy = await start_proxy(routes)
+    assert proxy.port is not None
+    return proxy.port
+
+
 ROUTES = [
     {"name": "orders", "path": "/orders/{job}/", "upstream": "UP"},
     {"name": "billing", "path": "/billing", "upstream": "UP"},
@@ -85,11 +93,10 @@ ROUTES = [
 async def proxy_in_front_of(start_proxy: ProxyFactory, url: str, paths: str = "normalize") -> int:
     """A proxy with ROUTES to ``url``, each with ``paths``, the victim job at
     generation 10; its port."""
-    proxy = await start_proxy([{**r, "upstream": url, "paths": paths} for r in ROUTES])
-    assert proxy.port is not None
-    victim = await send(proxy.port, request("POST", "/orders/victim/pay", fence(None, 10)))
+    port = await serving(start_proxy, [{**r, "upstream": url, "paths": paths} for r in ROUTES])
+    victim = await send(port, request("POST", "/orders/victim/pay", fence(None, 10)))
     assert victim.status == 200
-    return proxy.port
+    return port
 
 
 @pytest.fixture
@@ -318,13 +325,11 @@ async def test_a_route_can_name_its_own_methods(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
     fenced = {"methods": ["POST", "PROPFIND"]}
-    proxy = await start_proxy(
-        [{"name": "r", "path": "/r", "upstream": raw_upstream.url, "fence": fenced}]
-    )
-    assert proxy.port is not None
-    assert (await send(proxy.port, request("PUT", "/r/x"))).status == 200
-    assert (await send(proxy.port, request("POST", "/r/x"))).status == 428
-    assert (await send(proxy.port, request("PROPFIND", "/r/x", body=PROPFIND))).status == 428
+    route = {"name": "r", "path": "/r", "upstream": raw_upstream.url, "fence": fenced}
+    port = await serving(start_proxy, [route])
+    assert (await send(port, request("PUT", "/r/x"))).status == 200
+    assert (await send(port, request("POST", "/r/x"))).status == 428
+    assert (await send(port, request("PROPFIND", "/r/x", body=PROPFIND))).status == 428
 
 
 @pytest.mark.parametrize("name", ["X-HTTP-Method-Override", "X-HTTP-Method", "x-method-override"])
@@ -541,12 +546,9 @@ async def test_nginx_fenced_job_from_a_dotted_path_is_the_job_nginx_applies(
     start_proxy: ProxyFactory, nginx: Nginx
 ) -> None:
     routes = [{**r, "upstream": nginx.url, "paths": "normalize"} for r in ROUTES]
-    proxy = await start_proxy(routes)
-    assert proxy.port is not None
-    assert (
-        await send(proxy.port, request("POST", "/orders/victim/pay", fence(None, 10)))
-    ).status == 200
-    stale = await send(proxy.port, request("POST", "/orders/fresh/../victim/pay", fence(None, 3)))
+    port = await serving(start_proxy, routes)
+    assert (await send(port, request("POST", "/orders/victim/pay", fence(None, 10)))).status == 200
+    stale = await send(port, request("POST", "/orders/fresh/../victim/pay", fence(None, 3)))
     assert (stale.status, stale.slug) == (409, "stale-generation")
 
 
@@ -557,20 +559,16 @@ async def test_an_escaped_sub_delimiter_is_the_same_path_as_the_character(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
     """nginx reads /charges%3Arefund as /charges:refund: so must the routes and jobs."""
-    proxy = await start_proxy(
-        [
-            {"name": "refund", "path": "/billing/charges:refund", "upstream": raw_upstream.url},
-            {"name": "orders", "path": "/orders/{job}", "upstream": raw_upstream.url},
-            {"name": "rest", "path": "/", "upstream": raw_upstream.url, "fence": False},
-        ]
-    )
-    assert proxy.port is not None
-    answer = await send(proxy.port, request("POST", "/billing/charges%3Arefund"))
+    routes: list[dict[str, Any]] = [
+        {"name": "refund", "path": "/billing/charges:refund", "upstream": raw_upstream.url},
+        {"name": "orders", "path": "/orders/{job}", "upstream": raw_upstream.url},
+        {"name": "rest", "path": "/", "upstream": raw_upstream.url, "fence": False},
+    ]
+    port = await serving(start_proxy, routes)
+    answer = await send(port, request("POST", "/billing/charges%3Arefund"))
     assert (answer.status, answer.slug) == (428, "fencing-header-missing")
-    assert (
-        await send(proxy.port, request("POST", "/orders/a:b/pay", fence(None, 10)))
-    ).status == 200
-    stale = await send(proxy.port, request("POST", "/orders/a%3Ab/pay", fence(None, 3)))
+    assert (await send(port, request("POST", "/orders/a:b/pay", fence(None, 10)))).status == 200
+    stale = await send(port, request("POST", "/orders/a%3Ab/pay", fence(None, 3)))
     assert (stale.status, stale.slug) == (409, "stale-generation")
     assert [r.target for r in raw_upstream.received] == ["/orders/a:b/pay"]
 
@@ -578,28 +576,19 @@ async def test_an_escaped_sub_delimiter_is_the_same_path_as_the_character(
 async def test_a_route_for_a_case_insensitive_upstream_matches_any_case(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
-    proxy = await start_proxy(
-        [
-            {"name": "b", "path": "/Billing", "upstream": raw_upstream.url, "match_case": False},
-            {
-                "name": "o",
-                "path": "/orders/{job}",
-                "upstream": raw_upstream.url,
-                "match_case": False,
-            },
-            {"name": "strict", "path": "/strict", "upstream": raw_upstream.url},
-        ]
-    )
-    assert proxy.port is not None
+    routes: list[dict[str, Any]] = [
+        {"name": "b", "path": "/Billing", "upstream": raw_upstream.url, "match_case": False},
+        {"name": "o", "path": "/orders/{job}", "upstream": raw_upstream.url, "match_case": False},
+        {"name": "strict", "path": "/strict", "upstream": raw_upstream.url},
+    ]
+    port = await serving(start_proxy, routes)
     for target in ("/BILLING/x", "/billing", "/bIlLiNg/y"):
-        answer = await send(proxy.port, request("POST", target))
+        answer = await send(port, request("POST", target))
         assert (answer.status, answer.slug) == (428, "fencing-header-missing"), target
-    assert (
-        await send(proxy.port, request("POST", "/ORDERS/Victim", fence(None, 10)))
-    ).status == 200
-    stale = await send(proxy.port, request("POST", "/orders/Victim/x", fence(None, 3)))
+    assert (await send(port, request("POST", "/ORDERS/Victim", fence(None, 10)))).status == 200
+    stale = await send(port, request("POST", "/orders/Victim/x", fence(None, 3)))
     assert (stale.status, stale.slug) == (409, "stale-generation")  # the job keeps its case
-    assert (await send(proxy.port, request("POST", "/STRICT/x"))).slug == "no-route"
+    assert (await send(port, request("POST", "/STRICT/x"))).slug == "no-route"
     assert len(raw_upstream.received) == 1
 
 
@@ -678,15 +667,15 @@ async def test_a_header_value_that_is_not_utf8_is_refused_not_altered(
 async def test_by_default_a_path_with_dot_or_empty_segments_is_refused_naming_its_canonical_form(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
-    proxy = await start_proxy([{"name": "files", "path": "/files", "upstream": raw_upstream.url}])
-    assert proxy.port is not None
+    route = {"name": "files", "path": "/files", "upstream": raw_upstream.url}
+    port = await serving(start_proxy, [route])
     for target, canonical in [
         ("/files/a//b", "/files/a/b"),
         ("/files/a/./b", "/files/a/b"),
         ("/files/x/../y", "/files/y"),
         ("/files/x/%2E%2e/%22y", "/files/%22y"),
     ]:
-        answer = await send(proxy.port, request("PUT", target, fence("j", 1)))
+        answer = await send(port, request("PUT", target, fence("j", 1)))
         assert (answer.status, answer.slug) == (400, "request-target-not-canonical")
         assert "content-type: application/problem+json" in answer.head
         problem = json.loads(answer.body)
@@ -694,7 +683,7 @@ async def test_by_default_a_path_with_dot_or_empty_segments_is_refused_naming_it
         assert canonical in problem["detail"]
     assert raw_upstream.received == []
     # Escapes spelled otherwise are the same path to every upstream: taken.
-    answer = await send(proxy.port, request("PUT", '/files/%7e/%3b/"', fence("j", 1)))
+    answer = await send(port, request("PUT", '/files/%7e/%3b/"', fence("j", 1)))
     assert answer.status == 200
     assert [r.target for r in raw_upstream.received] == ["/files/~/%3B/%22"]
 
@@ -709,9 +698,8 @@ EXACT = {"name": "bucket", "path": "/bucket/", "paths": "exact"}
 async def test_an_exact_route_forwards_an_object_key_byte_for_byte(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str
 ) -> None:
-    proxy = await start_proxy([{**EXACT, "upstream": raw_upstream.url, "fence": False}])
-    assert proxy.port is not None
-    answer = await send(proxy.port, request("PUT", target + "?x=%2e%2e"))
+    port = await serving(start_proxy, [{**EXACT, "upstream": raw_upstream.url, "fence": False}])
+    answer = await send(port, request("PUT", target + "?x=%2e%2e"))
     assert answer.status == 200
     assert [r.target for r in raw_upstream.received] == [target + "?x=%2e%2e"]
 
@@ -723,9 +711,8 @@ async def test_an_exact_route_forwards_an_object_key_byte_for_byte(
 async def test_an_exact_route_still_refuses_what_is_never_a_path(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream, target: str, phrase: str
 ) -> None:
-    proxy = await start_proxy([{**EXACT, "upstream": raw_upstream.url, "fence": False}])
-    assert proxy.port is not None
-    answer = await send(proxy.port, request("PUT", target))
+    port = await serving(start_proxy, [{**EXACT, "upstream": raw_upstream.url, "fence": False}])
+    answer = await send(port, request("PUT", target))
     assert (answer.status, answer.slug) == (400, "request-target-malformed")
     assert phrase in json.loads(answer.body)["detail"]
     assert raw_upstream.received == []
@@ -734,21 +721,17 @@ async def test_an_exact_route_still_refuses_what_is_never_a_path(
 async def test_an_exact_route_fences_the_job_and_the_key_of_the_bytes_sent(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
-    proxy = await start_proxy(
-        [{"name": "b", "path": "/bucket/{job}", "upstream": raw_upstream.url, "paths": "exact"}]
-    )
-    assert proxy.port is not None
-    assert (
-        await send(proxy.port, request("PUT", "/bucket/victim/k", fence(None, 10)))
-    ).status == 200
+    route = {"name": "b", "path": "/bucket/{job}", "upstream": raw_upstream.url, "paths": "exact"}
+    port = await serving(start_proxy, [route])
+    assert (await send(port, request("PUT", "/bucket/victim/k", fence(None, 10)))).status == 200
     # The victim's key, spelled with an escape or an encoded slash: the victim's job.
     for target in ["/bucket/%76ictim/k", "/bucket/victim%2Fk"]:
-        stale = await send(proxy.port, request("PUT", target, fence(None, 3)))
+        stale = await send(port, request("PUT", target, fence(None, 3)))
         assert (stale.status, stale.slug) == (409, "stale-generation")
     # a//b and a/b are two objects: one key for both is two requests.
-    first = await send(proxy.port, request("PUT", "/bucket/j/a//b", fence(None, 1, key="k")))
+    first = await send(port, request("PUT", "/bucket/j/a//b", fence(None, 1, key="k")))
     assert first.status == 200
-    second = await send(proxy.port, request("PUT", "/bucket/j/a/b", fence(None, 1, key="k")))
+    second = await send(port, request("PUT", "/bucket/j/a/b", fence(None, 1, key="k")))
     assert (second.status, second.slug) == (422, "idempotency-key-reused")
     assert [r.target for r in raw_upstream.received] == ["/bucket/victim/k", "/bucket/j/a//b"]
 
@@ -781,14 +764,12 @@ async def test_a_path_is_never_checked_under_one_route_and_forwarded_under_anoth
     """One upstream serves both: what the private route fences must never reach it
     as a path the public route took."""
     url = raw_upstream.url
-    proxy = await start_proxy(
-        [
-            {"name": "public", "path": "/public", "upstream": url, "paths": public, "fence": False},
-            {"name": "private", "path": "/private", "upstream": url, "paths": private},
-        ],
-    )
-    assert proxy.port is not None
-    answer = await send(proxy.port, request("PUT", target))
+    routes: list[dict[str, Any]] = [
+        {"name": "public", "path": "/public", "upstream": url, "paths": public, "fence": False},
+        {"name": "private", "path": "/private", "upstream": url, "paths": private},
+    ]
+    port = await serving(start_proxy, routes)
+    answer = await send(port, request("PUT", target))
     status, what = outcome.split(" ")
     assert answer.status == int(status)
     if answer.status == 200:  # a pass-through of the public route
@@ -799,6 +780,8 @@ async def test_a_path_is_never_checked_under_one_route_and_forwarded_under_anoth
 
 
 # -- which Host the upstream receives ---------------------------------------------------------
+
+PRESERVE = {"name": "s3", "path": "/", "host": "preserve"}
 
 
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "pass-through"])
@@ -811,9 +794,8 @@ async def test_host_preserve_forwards_the_clients_host(
         route["host"] = host
     if not fenced:
         route["fence"] = False
-    proxy = await start_proxy([route])
-    assert proxy.port is not None
-    answer = await send(proxy.port, request("PUT", "/bucket/k", fence("j", 1)))
+    port = await serving(start_proxy, [route])
+    answer = await send(port, request("PUT", "/bucket/k", fence("j", 1)))
     assert answer.status == 200
     [received] = raw_upstream.received
     expected = "proxy.test" if host == "preserve" else raw_upstream.url.removeprefix("http://")
@@ -825,12 +807,9 @@ async def test_host_preserve_without_a_host_sends_the_upstreams(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream
 ) -> None:
     """HTTP/1.0 needs no Host: the upstream then gets its own authority."""
-    proxy = await start_proxy(
-        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
-    )
-    assert proxy.port is not None
+    port = await serving(start_proxy, [{**PRESERVE, "upstream": raw_upstream.url}])
     head = b"PUT /bucket/k HTTP/1.0\r\nFencing-Job: j\r\nFencing-Token: 1\r\nContent-Length: 0"
-    answer = await send(proxy.port, head + b"\r\n\r\n")
+    answer = await send(port, head + b"\r\n\r\n")
     assert answer.status == 200
     [received] = raw_upstream.received
     assert received.values("Host") == [raw_upstream.url.removeprefix("http://")]
@@ -842,14 +821,11 @@ async def test_host_preserve_without_a_host_sends_the_upstreams(
 async def test_host_preserve_refuses_a_host_it_could_not_forward_unchanged(
     start_proxy: ProxyFactory, raw_upstream: RawUpstream, value: bytes
 ) -> None:
-    proxy = await start_proxy(
-        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
-    )
-    assert proxy.port is not None
+    port = await serving(start_proxy, [{**PRESERVE, "upstream": raw_upstream.url}])
     head = b"PUT /bucket/k HTTP/1.1\r\nHost: " + value
     head += b"\r\nFencing-Job: j\r\nFencing-Token: 1\r\nContent-Length: 0"
     head += b"\r\nConnection: close\r\n\r\n"
-    answer = await send(proxy.port, head)
+    answer = await send(port, head)
     assert answer.status == 400
     assert raw_upstream.received == []
 
@@ -860,19 +836,16 @@ async def test_host_preserve_refuses_before_admission_and_holds_nothing(
     """A Host that cannot be forwarded, or an absolute-form target (whose authority
     would win over Host), is refused before the write is admitted: the job is not
     held and the key is free for the corrected request."""
-    proxy = await start_proxy(
-        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
-    )
-    assert proxy.port is not None
+    port = await serving(start_proxy, [{**PRESERVE, "upstream": raw_upstream.url}])
     fields = b"\r\nFencing-Job: j\r\nFencing-Token: 1\r\nIdempotency-Key: k\r\nContent-Length: 1"
     close = b"\r\nConnection: close\r\n\r\nx"
     for head in (
         b"PUT /bucket/k HTTP/1.1\r\nHost: bad/host",
         b"PUT http://evil.test/bucket/k HTTP/1.1\r\nHost: bucket.s3.test",
     ):
-        assert (await send(proxy.port, head + fields + close)).status == 400
+        assert (await send(port, head + fields + close)).status == 400
     good = b"PUT /bucket/k HTTP/1.1\r\nHost: bucket.s3.test"
-    assert (await send(proxy.port, good + fields + close)).status == 200
+    assert (await send(port, good + fields + close)).status == 200
     assert [r.values("Host") for r in raw_upstream.received] == [["bucket.s3.test"]]
 
 
@@ -881,16 +854,13 @@ async def test_host_preserve_makes_the_host_part_of_the_idempotency_fingerprint(
 ) -> None:
     """On a virtual-hosted upstream the Host names the resource: one key sent to two
     buckets is two requests, and the second is refused, not answered as the first."""
-    proxy = await start_proxy(
-        [{"name": "s3", "path": "/", "upstream": raw_upstream.url, "host": "preserve"}]
-    )
-    assert proxy.port is not None
+    port = await serving(start_proxy, [{**PRESERVE, "upstream": raw_upstream.url}])
     fields = b"\r\nFencing-Job: j\r\nFencing-Token: 1\r\nIdempotency-Key: k\r\nContent-Length: 1"
     close = b"\r\nConnection: close\r\n\r\nx"
     first = b"PUT /obj HTTP/1.1\r\nHost: bucket-a.s3.test"
-    assert (await send(proxy.port, first + fields + close)).status == 200
-    again = await send(proxy.port, first + fields + close)
+    assert (await send(port, first + fields + close)).status == 200
+    again = await send(port, first + fields + close)
     assert (again.status, "idempotent-replayed: true" in again.head) == (200, True)
-    other = await send(proxy.port, b"PUT /obj HTTP/1.1\r\nHost: bucket-b.s3.test" + fields + close)
+    other = await send(port, b"PUT /obj HTTP/1.1\r\nHost: bucket-b.s3.test" + fields + close)
     assert other.status == 422
     assert [r.values("Host") for r in raw_upstream.received] == [["bucket-a.s3.test"]]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, free_port
+
+from .conftest import refused_start, running
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +68,22 @@ async def write(
         return response.status, await response.json(content_type=None)
 
 
+async def killed_with_a_write_at_the_upstream(
+    proxy: ProxyProcess, upstream: RecordingUpstream, sent: Awaitable[object]
+) -> Callable[[], None]:
+    """Send a write (``sent``) and SIGKILL the proxy once the upstream has received it,
+    before it is answered: the client's connection is cut. Returns the upstream's
+    release, which lets the held write land, late, as a slow API's would."""
+    release = upstream.hold()
+    in_flight = asyncio.ensure_future(sent)
+    await upstream.wait_for(len(upstream.received) + 1)
+    proxy.signal(signal.SIGKILL)
+    await proxy.wait()
+    with pytest.raises(aiohttp.ClientError):
+        await in_flight
+    return release
+
+
 async def test_fence_survives_kill_9(
     spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
@@ -85,15 +103,9 @@ async def test_write_in_flight_at_kill_9_reads_as_unknown_after_restart(
     tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
     config = write_config(tmp_path, upstream, route=", timeout: 500ms, quarantine: 500ms")
-    proxy = await ProxyProcess(config, free_port()).start()
-    try:
-        release = upstream.hold()
-        in_flight = asyncio.ensure_future(write(http, proxy, 3, key="charge-1"))
-        await upstream.wait_for(1)
-        proxy.signal(signal.SIGKILL)
-        await proxy.wait()
-        with pytest.raises(aiohttp.ClientError):
-            await in_flight
+    async with running(config) as proxy:
+        sent = write(http, proxy, 3, key="charge-1")
+        release = await killed_with_a_write_at_the_upstream(proxy, upstream, sent)
         release()
 
         await proxy.restart()
@@ -107,23 +119,15 @@ async def test_write_in_flight_at_kill_9_reads_as_unknown_after_restart(
                 status, body = await write(http, proxy, 3, key="charge-1")
         assert (status, body["type"]) == (409, "urn:fenceproxy:problem:duplicate-outcome-unknown")
         assert len(upstream.received) == 1
-    finally:
-        await proxy.stop()
 
 
 async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
     tmp_path: Path, http: aiohttp.ClientSession, upstream: RecordingUpstream
 ) -> None:
     config = write_config(tmp_path, upstream, route=", timeout: 1s, quarantine: 1s")
-    proxy = await ProxyProcess(config, free_port()).start()
-    try:
-        release = upstream.hold()
-        in_flight = asyncio.ensure_future(write(http, proxy, 1))
-        await upstream.wait_for(1)  # generation 1 is at the upstream, not yet applied
-        proxy.signal(signal.SIGKILL)
-        await proxy.wait()
-        with pytest.raises(aiohttp.ClientError):
-            await in_flight
+    async with running(config) as proxy:
+        # Generation 1 is at the upstream, not yet applied, when the proxy dies.
+        release = await killed_with_a_write_at_the_upstream(proxy, upstream, write(http, proxy, 1))
         await proxy.restart()
         status, body = await write(http, proxy, 2)
         assert status == 503
@@ -140,8 +144,6 @@ async def test_restart_after_kill_9_holds_writes_until_old_ones_cannot_land(
             ("another-job", 1),
             ("invoice-42", 2),
         ]
-    finally:
-        await proxy.stop()
 
 
 async def test_sigterm_drains_writes_in_flight(
@@ -179,24 +181,13 @@ async def test_second_proxy_on_one_sqlite_file_is_refused(
     spawn: Callable[..., ProxyProcess], config_file: Path
 ) -> None:
     await spawn().start()
-    second = ProxyProcess(config_file, free_port())
-    try:
-        with pytest.raises(RuntimeError, match="in use by another process"):
-            await second.start()
-    finally:
-        await second.stop()
+    assert "in use by another process" in await refused_start(config_file)
 
 
 async def test_bad_config_exits_non_zero_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("routes:\n  - name: x\n    path: /x/\n    upstream: nowhere\n")
-    proxy = ProxyProcess(bad, free_port())
-    try:
-        with pytest.raises(RuntimeError) as caught:
-            await proxy.start()
-    finally:
-        await proxy.stop()
-    message = str(caught.value)
+    message = await refused_start(bad)
     assert "exited 2" in message
     assert f"{bad}: routes[0].upstream" in message
     assert "Traceback" not in message

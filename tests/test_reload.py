@@ -11,6 +11,7 @@ import json
 import signal
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,24 @@ import yaml
 
 from fenceproxy.testing import ProxyProcess, RecordingUpstream, eventually, free_port
 
+from .conftest import running
 
-def write(path: Path, **config: Any) -> None:
-    path.write_text(yaml.safe_dump(config))
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """The config file a proxy process serves, and the SQLite store it names."""
+
+    path: Path
+    store: str
+
+    def write(self, **config: Any) -> None:
+        """Write ``config`` over the file, as YAML, with this store unless it names one."""
+        self.path.write_text(yaml.safe_dump({"store": self.store, **config}))
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> ConfigFile:
+    return ConfigFile(tmp_path / "proxy.yaml", f"sqlite:///{tmp_path / 'fences.db'}")
 
 
 def fence(job: str, generation: int) -> dict[str, str]:
@@ -44,18 +60,13 @@ async def reload(proxy: ProxyProcess, word: str) -> str:
 
 
 async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_flight(
-    tmp_path: Path,
+    config: ConfigFile,
     upstream: RecordingUpstream,
     second: RecordingUpstream,
     http: aiohttp.ClientSession,
 ) -> None:
-    path = tmp_path / "proxy.yaml"
-    store = f"sqlite:///{tmp_path / 'fences.db'}"
-    write(path, store=store, routes=[{"name": "billing", "path": "/billing/",
-                                      "upstream": upstream.url}])  # fmt: skip
-    proxy = await ProxyProcess(path, free_port()).start()
-    stack = contextlib.ExitStack()
-    try:
+    config.write(routes=[{"name": "billing", "path": "/billing/", "upstream": upstream.url}])
+    async with running(config.path) as proxy, contextlib.AsyncExitStack() as stack:
         url = proxy.url
         assert (await http.post(f"{url}/billing/a", headers=fence("j1", 2))).status == 200
         assert (await http.post(f"{url}/ledger/a", headers=fence("j2", 1))).status == 404
@@ -66,9 +77,7 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
             http.post(f"{url}/billing/b", headers=fence("j1", 2), data=b"held")
         )
         await upstream.wait_for(2)
-        write(
-            path,
-            store=store,
+        config.write(
             log_format="json",
             routes=[
                 {"name": "billing", "path": "/billing/", "upstream": second.url, "max_body": 8},
@@ -76,7 +85,7 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
             ],
         )
         line = await reload(proxy, "reloaded")
-        assert json.loads(line)["message"] == f"reloaded {path}: 2 route(s)"
+        assert json.loads(line)["message"] == f"reloaded {config.path}: 2 route(s)"
 
         # The new routes serve the next request (of another job: j1 has a write in
         # flight), on a connection opened before.
@@ -98,23 +107,18 @@ async def test_a_reload_changes_routes_limits_and_logs_while_a_write_is_in_fligh
         await eventually(lambda: "stale-generation" in proxy.output())
         last = proxy.output().splitlines()[-1]
         assert json.loads(last)["decision"] == "stale-generation"
-    finally:
-        stack.close()
-        await proxy.stop()
 
 
 async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
-    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+    tmp_path: Path, config: ConfigFile, upstream: RecordingUpstream, http: aiohttp.ClientSession
 ) -> None:
-    path = tmp_path / "proxy.yaml"
-    store = f"sqlite:///{tmp_path / 'fences.db'}"
+    path = config.path
     route = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
-    write(path, store=store, routes=[route])
-    proxy = await ProxyProcess(path, free_port()).start()
-    try:
+    config.write(routes=[route])
+    async with running(path) as proxy:
         url = proxy.url
 
-        write(path, store=store, routes=[{**route, "upstreem": upstream.url}])
+        config.write(routes=[{**route, "upstreem": upstream.url}])
         line = await reload(proxy, "reload refused")
         assert line.endswith(
             f"reload refused, the running config stays: {path}: routes[0].upstreem: "
@@ -135,8 +139,7 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
         # The store and the key lifetime take a restart: the reload says so, and the
         # rest of the file is taken.
         other = f"sqlite:///{tmp_path / 'other.db'}"
-        write(path, store=other, idempotency={"ttl": "1h"},
-              routes=[{**route, "max_body": 4}])  # fmt: skip
+        config.write(store=other, idempotency={"ttl": "1h"}, routes=[{**route, "max_body": 4}])
         line = await reload(proxy, "reloaded")
         assert line.endswith(
             f"reloaded {path}: 1 route(s); not changed until a restart: store (still "
@@ -149,59 +152,47 @@ async def test_a_config_that_is_not_valid_is_refused_and_the_running_one_serves(
         assert stale.status == 409  # the running store, which saw generation 1
         assert not (tmp_path / "other.db").exists()
         assert "Traceback" not in proxy.output()
-    finally:
-        await proxy.stop()
 
 
 async def test_a_file_valid_alone_is_refused_when_it_is_not_with_the_running_store(
-    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+    config: ConfigFile, upstream: RecordingUpstream, http: aiohttp.ClientSession
 ) -> None:
-    path = tmp_path / "proxy.yaml"
     route = {"name": "billing", "path": "/billing/", "upstream": upstream.url,
              "fence": {"check_lease": True}}  # fmt: skip
-    write(path, store=f"sqlite:///{tmp_path / 'fences.db'}", leases={}, routes=[route])
-    proxy = await ProxyProcess(path, free_port()).start()
-    try:
+    config.write(leases={}, routes=[route])
+    async with running(config.path) as proxy:
         # Valid on PostgreSQL, where another proxy may serve the lease API; but the
         # store stays SQLite until a restart, and there nothing could hold a lease.
-        write(path, store="postgresql://fp@127.0.0.1:1/fp", routes=[route])
+        config.write(store="postgresql://fp@127.0.0.1:1/fp", routes=[route])
         line = await reload(proxy, "reload refused")
         assert "routes[0].fence.check_lease is on, and no lease API shares" in line
         assert line.endswith("(checked with store as running: a restart changes those)")
         claim = await http.post(f"{proxy.url}/_leases/j/claim", json={"owner": "w"})
         assert claim.status == 200  # the lease API is still there
-    finally:
-        await proxy.stop()
 
 
 async def test_a_reload_that_opens_the_lease_api_beyond_loopback_warns(
-    tmp_path: Path, upstream: RecordingUpstream
+    config: ConfigFile, upstream: RecordingUpstream
 ) -> None:
-    path = tmp_path / "proxy.yaml"
     port = free_port()
     route = {"name": "billing", "path": "/billing/", "upstream": upstream.url}
-    write(path, store=f"sqlite:///{tmp_path / 'fences.db'}", routes=[route])
-    proxy = await ProxyProcess(path, port, "--listen", f"0.0.0.0:{port}").start()
-    try:
+    config.write(routes=[route])
+    async with running(config.path, "--listen", f"0.0.0.0:{port}", port=port) as proxy:
         assert "takes no credentials" not in proxy.output()
-        write(path, store=f"sqlite:///{tmp_path / 'fences.db'}", leases={}, routes=[route])
+        config.write(leases={}, routes=[route])
         await reload(proxy, "reloaded")
         await eventually(lambda: "takes no credentials" in proxy.output())
-    finally:
-        await proxy.stop()
 
 
 async def test_systemd_is_told_once_the_proxy_listens(
-    tmp_path: Path, upstream: RecordingUpstream
+    tmp_path: Path, config: ConfigFile, upstream: RecordingUpstream
 ) -> None:
-    path = tmp_path / "proxy.yaml"
-    write(path, store=f"sqlite:///{tmp_path / 'fences.db'}",
-          routes=[{"name": "billing", "path": "/billing/", "upstream": upstream.url}])  # fmt: skip
+    config.write(routes=[{"name": "billing", "path": "/billing/", "upstream": upstream.url}])
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.setblocking(False)
     port = free_port()
-    proxy = ProxyProcess(path, port, env={"NOTIFY_SOCKET": str(tmp_path / "notify")})
+    proxy = ProxyProcess(config.path, port, env={"NOTIFY_SOCKET": str(tmp_path / "notify")})
     try:
         process = asyncio.ensure_future(proxy.start())
         loop = asyncio.get_running_loop()
@@ -217,20 +208,18 @@ async def test_systemd_is_told_once_the_proxy_listens(
 
 
 async def test_a_write_retried_after_its_route_was_renamed_is_replayed_not_applied_again(
-    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+    config: ConfigFile, upstream: RecordingUpstream, http: aiohttp.ClientSession
 ) -> None:
-    path = tmp_path / "proxy.yaml"
-    store = f"sqlite:///{tmp_path / 'fences.db'}"
     route = {"name": "orders", "path": "/orders/", "upstream": upstream.url}
-    write(path, store=store, routes=[route])
-    proxy = await ProxyProcess(path, free_port()).start()
-    release = upstream.hold()
-    try:
+    config.write(routes=[route])
+    async with running(config.path) as proxy, contextlib.AsyncExitStack() as stack:
+        release = upstream.hold()
+        stack.callback(release)  # even when an assertion fails before its turn
         headers = {**fence("j", 3), "Idempotency-Key": "charge-1"}
         url = f"{proxy.url}/orders/charges"
         first = asyncio.ensure_future(http.post(url, headers=headers, data=b"charge $10"))
         await upstream.wait_for(1)
-        write(path, store=store, routes=[{**route, "name": "orders-v2"}])
+        config.write(routes=[{**route, "name": "orders-v2"}])
         await reload(proxy, "reloaded")
         release()
         assert (await first).status == 200
@@ -238,6 +227,3 @@ async def test_a_write_retried_after_its_route_was_renamed_is_replayed_not_appli
         assert retry.status == 200
         assert retry.headers["Idempotent-Replayed"] == "true"
         assert len(upstream.received) == 1
-    finally:
-        release()
-        await proxy.stop()

@@ -36,11 +36,11 @@ from fenceproxy.errors import PROBLEM_BASE, ConfigError, LeaseRefused, LeaseServ
 from fenceproxy.fence.tokens import generate_key
 from fenceproxy.server.app import FenceProxy
 from fenceproxy.store import PostgresStore
-from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, eventually, free_port
+from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, eventually
 from fenceproxy.tls import ServerTLS, server_context, subject
 
 from .certs import Certificates
-from .conftest import ProxyFactory, fenced
+from .conftest import ProxyFactory, fenced, refused_start, running
 from .postgres import PostgresServer, required_postgres_bin
 from .test_proxy import problem
 
@@ -71,26 +71,6 @@ def write_config(tmp_path: Path, upstream: str, **top: Any) -> Path:
 
 LISTENER = {"cert": "tls/server.pem", "key": "tls/server-key.pem"}
 """The listener's pair, relative to the config file's folder."""
-
-
-@asynccontextmanager
-async def running(config: Path) -> AsyncIterator[ProxyProcess]:
-    proxy = await ProxyProcess(config, free_port()).start()
-    try:
-        yield proxy
-    finally:
-        await proxy.stop()
-
-
-async def refused_start(config: Path) -> str:
-    """What a proxy that does not start with ``config`` says as it exits."""
-    proxy = ProxyProcess(config, free_port())
-    try:
-        with pytest.raises(RuntimeError) as stopped:
-            await proxy.start()
-    finally:
-        await proxy.stop()
-    return str(stopped.value)
 
 
 def https(proxy: ProxyProcess) -> str:
