@@ -382,15 +382,22 @@ async def test_a_flood_of_blank_lines_where_a_request_is_due_is_431(first: bytes
     wire.lose()
 
 
-async def test_a_head_taken_while_closing_is_a_refusal_owed_in_turn() -> None:
-    """A head already begun when the connection began closing is still read; refused
-    (too large), its refusal is answered after the answer in front."""
+def closing_behind_a_held_answer(head: bytes) -> tuple[App, Connection, Wire]:
+    """A connection told to close when done while the answer in front is held and
+    the ``head`` behind it has begun to arrive."""
     app = App()
     app.hold()
     conn, wire = connect(app)
-    wire.send(get("/1") + b"GET /2 HTTP/1.1\r\n")
+    wire.send(get("/1") + head)
     conn.close_when_done()
     assert halves(conn) == (State.HEAD, State.CLOSING)
+    return app, conn, wire
+
+
+async def test_a_head_taken_while_closing_is_a_refusal_owed_in_turn() -> None:
+    """A head already begun when the connection began closing is still read; refused
+    (too large), its refusal is answered after the answer in front."""
+    app, conn, wire = closing_behind_a_held_answer(b"GET /2 HTTP/1.1\r\n")
     wire.send(b"X: " + b"a" * (MAX_HEAD + 1) + b"\r\n")
     assert halves(conn) == (State.STOPPED, State.CLOSING)
     app.release()
@@ -401,12 +408,24 @@ async def test_a_head_taken_while_closing_is_a_refusal_owed_in_turn() -> None:
 # -- the client done sending ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sent", [b"", get("/a"), b"GET /a HT"], ids=["opened", "idle", "head"])
-async def test_a_client_done_sending_with_nothing_owed_is_closed(sent: bytes) -> None:
+NOTHING_IN_HAND = pytest.mark.parametrize(
+    "sent", [b"", get("/a"), b"GET /a HT"], ids=["opened", "idle", "head"]
+)
+"""A connection opened, idle, or with a head begun, and nothing owed."""
+
+
+async def settled_after(sent: bytes) -> tuple[Connection, Wire]:
+    """A connection sent ``sent``, once every request taken is answered."""
     app = App()
     conn, wire = connect(app)
     wire.send(sent)
     await settled(conn, wire, app)
+    return conn, wire
+
+
+@NOTHING_IN_HAND
+async def test_a_client_done_sending_with_nothing_owed_is_closed(sent: bytes) -> None:
+    conn, wire = await settled_after(sent)
     wire.finish()
     await closed(conn)
 
@@ -470,12 +489,9 @@ async def test_a_client_done_while_its_refusal_is_owed_gets_it() -> None:
 # -- shutting down, refusing, losing ----------------------------------------------------
 
 
-@pytest.mark.parametrize("sent", [b"", get("/a"), b"GET /a HT"], ids=["opened", "idle", "head"])
+@NOTHING_IN_HAND
 async def test_shutting_down_closes_a_connection_with_nothing_in_hand_at_once(sent: bytes) -> None:
-    app = App()
-    conn, wire = connect(app)
-    wire.send(sent)
-    await settled(conn, wire, app)
+    conn, wire = await settled_after(sent)
     conn.close_when_done()
     assert wire.closing
     await closed(conn)
@@ -484,12 +500,7 @@ async def test_shutting_down_closes_a_connection_with_nothing_in_hand_at_once(se
 async def test_shutting_down_with_a_head_arriving_answers_the_one_in_front_and_lingers() -> None:
     """The answer in front is the last, saying close; the head arriving behind it is
     never taken, and the connection lingers so the client reads that answer."""
-    app = App()
-    app.hold()
-    conn, wire = connect(app)
-    wire.send(get("/1") + b"GET /2 HT")
-    conn.close_when_done()
-    assert halves(conn) == (State.HEAD, State.CLOSING)
+    app, conn, wire = closing_behind_a_held_answer(b"GET /2 HT")
     app.release()
     await eventually(lambda: conn.state is State.LINGERING)
     assert b"Connection: close" in wire.written

@@ -145,6 +145,18 @@ async def test_a_client_that_pipelines_and_reads_nothing_has_no_answers_held_for
     assert len(rest) < 3000 * 16384
 
 
+async def sent_while_held(
+    proxy: Client, upstream: RecordingUpstream, sent: bytes
+) -> tuple[Callable[[], None], asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client connection to ``proxy`` that has sent ``sent`` while ``upstream`` holds
+    every request, once the first reached it; what releases them, and the connection."""
+    release = upstream.hold()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(sent)
+    await upstream.wait_for(1)
+    return release, reader, writer
+
+
 async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
@@ -153,12 +165,11 @@ async def test_requests_pipelined_behind_a_slow_one_are_not_read_ahead(
     the client's socket fills and its writes wait. Once the first is answered, those
     it takes are answered in order; should one read bring more than MAX_AHEAD, those
     are answered and the connection closed, the rest never read as requests."""
-    release = upstream.hold()
     route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
     proxy = await start_proxy([route])
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(b"GET /open/first HTTP/1.1\r\nHost: a\r\n\r\n")
-    await upstream.wait_for(1)
+    release, reader, writer = await sent_while_held(
+        proxy, upstream, b"GET /open/first HTTP/1.1\r\nHost: a\r\n\r\n"
+    )
     padding = b"X-Pad: " + b"p" * 8000 + b"\r\n"
     behind = b"GET /open/n HTTP/1.1\r\nHost: a\r\n" + padding + b"\r\n"
     writer.write(behind * 2000)
@@ -375,12 +386,13 @@ async def test_a_client_pipelining_beyond_the_limit_has_those_taken_answered_the
     """100 requests in one write, the first held at the upstream: the proxy takes the
     first and MAX_AHEAD behind it, answers them in order, then closes; the rest is
     never read as requests, so a client cannot queue requests without bound."""
-    release = upstream.hold()
     route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
     proxy = await start_proxy([route])
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(b"".join(b"GET /open/%d HTTP/1.1\r\nHost: a\r\n\r\n" % n for n in range(100)))
-    await upstream.wait_for(1)
+    release, reader, writer = await sent_while_held(
+        proxy,
+        upstream,
+        b"".join(b"GET /open/%d HTTP/1.1\r\nHost: a\r\n\r\n" % n for n in range(100)),
+    )
     release()
     async with asyncio.timeout(10):
         raw = await reader.read()
@@ -417,15 +429,14 @@ async def test_the_head_deadline_of_a_request_read_ahead_runs_only_while_reading
 ) -> None:
     """The third request's head is cut by the network while the proxy holds reading
     behind a slow first one: it is answered, not refused with 408."""
-    release = upstream.hold()
     route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
     proxy = await start_proxy([route], limits={"header_timeout": "300ms"})
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(
+    release, reader, writer = await sent_while_held(
+        proxy,
+        upstream,
         b"GET /open/1 HTTP/1.1\r\nHost: a\r\n\r\nGET /open/2 HTTP/1.1\r\nHost: a\r\n\r\n"
-        b"GET /open/3 HTT"
+        b"GET /open/3 HTT",
     )
-    await upstream.wait_for(1)
     await asyncio.sleep(0.4)
     writer.write(b"P/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
     await asyncio.sleep(0.4)  # twice the head timeout since the third head began
@@ -592,12 +603,11 @@ async def test_an_http_10_answer_ended_by_the_connection_is_the_last_on_it(
 async def test_a_proxy_shutting_down_takes_no_more_requests(
     start_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    release = upstream.hold()
     route = {"name": "open", "path": "/open/", "upstream": upstream.url, "fence": False}
     proxy = await start_proxy([route])
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(b"GET /open/1 HTTP/1.1\r\nHost: a\r\n\r\n")
-    await upstream.wait_for(1)
+    release, reader, writer = await sent_while_held(
+        proxy, upstream, b"GET /open/1 HTTP/1.1\r\nHost: a\r\n\r\n"
+    )
     proxy.server.runner.server.pre_shutdown()  # type: ignore[union-attr]
     writer.write(b"GET /open/2 HTTP/1.1\r\nHost: a\r\n\r\n")
     await asyncio.sleep(0.1)

@@ -16,10 +16,6 @@ from hypothesis import strategies as st
 from fenceproxy import errors
 from fenceproxy.errors import (
     PROBLEM_BASE,
-    DuplicateInFlight,
-    DuplicateNotStored,
-    DuplicateOutcomeUnknown,
-    DuplicateRejected,
     FencingHeaderMalformed,
     IdempotencyKeyMalformed,
     KeyOtherCaller,
@@ -257,8 +253,8 @@ def test_decide_key_with_other_fingerprint_is_key_reused() -> None:
 @pytest.mark.parametrize(
     ("state", "refusal"),
     [
-        (KeyState.IN_FLIGHT, DuplicateInFlight),
-        (KeyState.UNKNOWN, DuplicateOutcomeUnknown),
+        (KeyState.IN_FLIGHT, errors.DuplicateInFlight),
+        (KeyState.UNKNOWN, errors.DuplicateOutcomeUnknown),
     ],
 )
 def test_decide_key_not_completed_is_refused(state: KeyState, refusal: type[Refusal]) -> None:
@@ -273,14 +269,14 @@ def test_decide_completed_key_replays_stored_response() -> None:
 
 def test_decide_completed_key_without_replay_is_rejected() -> None:
     result = decide(write(7, key="k1", replay=False), 7, completed())
-    assert isinstance(result, DuplicateRejected)
+    assert isinstance(result, errors.DuplicateRejected)
     assert result.extensions["original_status"] == 201
 
 
 def test_decide_completed_key_with_unstored_body_is_not_stored() -> None:
     record = completed(StoredResponse(200, (), None))
     result = decide(write(7, key="k1"), 7, record)
-    assert isinstance(result, DuplicateNotStored)
+    assert isinstance(result, errors.DuplicateNotStored)
     assert result.extensions["original_status"] == 200
 
 

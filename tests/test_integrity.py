@@ -76,6 +76,16 @@ async def send(port: int, data: bytes) -> Answer:
     return Answer(await raw_request(port, data))
 
 
+async def refused(
+    port: int, raw_upstream: RawUpstream, data: bytes, status: int, slug: str
+) -> None:
+    """``data`` is answered ``status`` with the problem ``slug``, and nothing reaches
+    the upstream."""
+    answer = await send(port, data)
+    assert (answer.status, answer.slug) == (status, slug)
+    assert raw_upstream.received == []
+
+
 async def serving(start_proxy: ProxyFactory, routes: list[dict[str, Any]]) -> int:
     """A proxy with ``routes``; the port to send it raw bytes on."""
     proxy = await start_proxy(routes)
@@ -271,9 +281,9 @@ async def test_routes_match_at_segment_boundaries(port: int, raw_upstream: RawUp
 async def test_a_fencing_field_sent_twice_or_as_a_list_is_400(
     port: int, raw_upstream: RawUpstream, fields: list[tuple[str, str]]
 ) -> None:
-    answer = await send(port, request("POST", "/billing/x", fields))
-    assert (answer.status, answer.slug) == (400, "fencing-header-malformed")
-    assert raw_upstream.received == []
+    await refused(
+        port, raw_upstream, request("POST", "/billing/x", fields), 400, "fencing-header-malformed"
+    )
 
 
 async def test_a_path_job_and_a_job_header_must_agree(port: int, raw_upstream: RawUpstream) -> None:
@@ -378,9 +388,9 @@ async def test_a_method_override_naming_a_safe_method_does_not_unfence_a_write(
 async def test_an_ambiguous_method_override_is_400(
     port: int, raw_upstream: RawUpstream, fields: list[tuple[str, str]]
 ) -> None:
-    answer = await send(port, request("GET", "/billing/x", fields))
-    assert (answer.status, answer.slug) == (400, "method-override-malformed")
-    assert raw_upstream.received == []
+    await refused(
+        port, raw_upstream, request("GET", "/billing/x", fields), 400, "method-override-malformed"
+    )
 
 
 # -- the upstream sees what the client sent -------------------------------------------------
@@ -633,9 +643,7 @@ async def test_an_underscore_spelling_counts_as_the_field_it_spells(
     port: int, raw_upstream: RawUpstream, fields: list[tuple[str, str]], slug: str
 ) -> None:
     """CGI and WSGI servers read Fencing_Token as Fencing-Token."""
-    answer = await send(port, request("POST", "/billing/x", fields))
-    assert (answer.status, answer.slug) == (400, slug)
-    assert raw_upstream.received == []
+    await refused(port, raw_upstream, request("POST", "/billing/x", fields), 400, slug)
 
 
 async def test_an_underscore_method_override_is_fenced(

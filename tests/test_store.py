@@ -10,7 +10,7 @@ import logging
 import random
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -251,6 +251,16 @@ def write_config(directory: Path, store: str) -> Path:
     return path
 
 
+async def migrated_by_the_cli(
+    directory: Path, store: str, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """What ``fenceproxy migrate -c FILE`` printed for a config naming ``store``, once
+    it exited 0."""
+    config = write_config(directory, store)
+    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
+    return capsys.readouterr().out
+
+
 async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -261,9 +271,10 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
         conn.commit()
     with pytest.raises(StoreError, match="run: fenceproxy migrate -c FILE"):
         await SQLiteStore.open(path)
-    config = write_config(tmp_path, f"sqlite:///{path}")
-    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 3 -> 7" in capsys.readouterr().out
+    url = f"sqlite:///{path}"
+    assert f"SQLite file {path}: schema version 3 -> 7" in await migrated_by_the_cli(
+        tmp_path, url, capsys
+    )
     with closing(sqlite3.connect(path)) as conn:
         rows = conn.execute("SELECT route, job, key, state, scope FROM idempotency_keys")
         # Left in flight by a proxy of the old version: no record ties it to a write,
@@ -277,27 +288,30 @@ async def test_a_sqlite_file_of_the_previous_version_is_migrated_by_the_cli(
         assert decision.slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
     finally:
         await store.close()
-    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 7, up to date" in capsys.readouterr().out
+    assert "schema version 7, up to date" in await migrated_by_the_cli(tmp_path, url, capsys)
 
 
 # Keys a proxy stored before keys had callers: answered, with a secret in the answer.
 OLD_KEY_CALLERS = [ALICE, BOB, scope([("authorization", []), ("cookie", [])]), SHARED_SCOPE]
 
 
-async def old_keys_answer_nobody(store: Store) -> None:
-    """What a store migrated from before callers answers for its keys: nothing, to
-    anyone; new keys answer their own caller."""
-    for caller in OLD_KEY_CALLERS:
-        retry = FencedWrite("r", "j", 7, key="k", fingerprint=b"k", scope=caller)
-        assert (await admit(store, retry)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
-    new = FencedWrite("r", "j", 7, key="new", fingerprint=b"n", scope=ALICE)
-    assert isinstance(await admit(store, new), Admit)
-    await store.complete_key(new, StoredResponse(200, (), b"ok"))
-    await store.end_turn(new)
-    assert isinstance(await admit(store, new), Replay)
-    other = dataclasses.replace(new, scope=BOB)
-    assert (await admit(store, other)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+async def old_keys_answer_nobody(opening: Awaitable[Store]) -> None:
+    """What a store migrated from before callers answers for its keys, once open:
+    nothing, to anyone; new keys answer their own caller. The store is closed after."""
+    store = await opening
+    try:
+        for caller in OLD_KEY_CALLERS:
+            retry = FencedWrite("r", "j", 7, key="k", fingerprint=b"k", scope=caller)
+            assert (await admit(store, retry)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+        new = FencedWrite("r", "j", 7, key="new", fingerprint=b"n", scope=ALICE)
+        assert isinstance(await admit(store, new), Admit)
+        await store.complete_key(new, StoredResponse(200, (), b"ok"))
+        await store.end_turn(new)
+        assert isinstance(await admit(store, new), Replay)
+        other = dataclasses.replace(new, scope=BOB)
+        assert (await admit(store, other)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
+    finally:
+        await store.close()
 
 
 async def test_a_sqlite_file_of_the_previous_version_keeps_its_keys_from_every_caller(
@@ -317,17 +331,12 @@ async def test_a_sqlite_file_of_the_previous_version_keeps_its_keys_from_every_c
         conn.commit()
     with pytest.raises(StoreError, match="has schema version 5, and this fenceproxy needs 7"):
         await SQLiteStore.open(path)
-    config = write_config(tmp_path, f"sqlite:///{path}")
-    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert f"SQLite file {path}: schema version 5 -> 7" in capsys.readouterr().out
+    out = await migrated_by_the_cli(tmp_path, f"sqlite:///{path}", capsys)
+    assert f"SQLite file {path}: schema version 5 -> 7" in out
     with closing(sqlite3.connect(path)) as conn:
         rows = conn.execute("SELECT key, state, body, scope FROM idempotency_keys").fetchall()
     assert rows == [("k", "completed", b'{"card": "4242"}', b"")]
-    store = await SQLiteStore.open(path)
-    try:
-        await old_keys_answer_nobody(store)
-    finally:
-        await store.close()
+    await old_keys_answer_nobody(SQLiteStore.open(path))
 
 
 async def test_a_new_sqlite_file_is_created_at_the_current_version(tmp_path: Path) -> None:
@@ -354,11 +363,10 @@ async def test_postgres_must_be_migrated_before_it_serves(
 ) -> None:
     with pytest.raises(StoreError, match="is not migrated: run fenceproxy migrate -c FILE"):
         await PostgresStore.open(fresh_postgres)
-    config = write_config(tmp_path, fresh_postgres)
-    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 0 -> 6" in capsys.readouterr().out
-    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 6, up to date" in capsys.readouterr().out
+    assert "schema version 0 -> 6" in await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
+    assert "schema version 6, up to date" in await migrated_by_the_cli(
+        tmp_path, fresh_postgres, capsys
+    )
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
@@ -404,20 +412,14 @@ async def test_a_postgres_store_of_the_previous_version_keeps_its_keys_from_ever
     )
     with pytest.raises(StoreError, match="schema version 3"):
         await PostgresStore.open(fresh_postgres)
-    config = write_config(tmp_path, fresh_postgres)
-    assert await asyncio.to_thread(cli.main, ["migrate", "-c", str(config)]) == 0
-    assert "schema version 3 -> 6" in capsys.readouterr().out
+    assert "schema version 3 -> 6" in await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
     conn = await asyncpg.connect(fresh_postgres)
     try:
         rows = await conn.fetch("SELECT key, state, body, scope FROM idempotency_keys")
     finally:
         await conn.close()
     assert [tuple(r) for r in rows] == [("k", "completed", b'{"card": "4242"}', b"")]
-    store = await PostgresStore.open(fresh_postgres)
-    try:
-        await old_keys_answer_nobody(store)
-    finally:
-        await store.close()
+    await old_keys_answer_nobody(PostgresStore.open(fresh_postgres))
 
 
 async def test_two_migrations_at_once_take_turns(fresh_postgres: str) -> None:

@@ -75,7 +75,14 @@ class Store(abc.ABC):
     """Whether other processes write to it: their in-flight records are cleared without
     a wake in this one."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, key_ttl: float, where: str) -> None:
+        self._key_ttl = key_ttl
+        """How long an idempotency key is kept, in seconds."""
+        self._where = where
+        """The store as messages name it: the SQLite file, or PostgreSQL's hosts and
+        database (never a password)."""
+        self._closing = False
+        """Set as :meth:`close` begins: what is submitted after is refused."""
         self.on_commit: Callable[[float, int], object] = lambda seconds, operations: None
         """Told of each commit: how long it took and how many operations it held."""
         self.server = StoreServer()

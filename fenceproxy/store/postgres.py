@@ -219,15 +219,12 @@ class PostgresStore(Store):
         """``listen`` opens the connection that listens for releases and completions
         on other proxies (:class:`_Listener`), once a claim first waits; without it,
         only this proxy's wake its waiting claims."""
-        super().__init__()
+        super().__init__(key_ttl=key_ttl, where=where)
         self.server = server or self.server
         self._require_sync = require_sync
         self._pool = pool
-        self._key_ttl = key_ttl
         self._clock = clock
-        self._where = where
         self._acquire_timeout = acquire_timeout
-        self._closing = False
         self._batches: Batches[_Op] = Batches(self._run_batch, name="fenceproxy-postgres-batches")
         self._start_purging(purge_interval)
         self._listener: _Listener | None = None

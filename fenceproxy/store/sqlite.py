@@ -100,13 +100,10 @@ class SQLiteStore(Store):
         purge_interval: float,
         where: str,
     ) -> None:
-        super().__init__()
+        super().__init__(key_ttl=key_ttl, where=where)
         self._conn = conn
-        self._where = where
         self._thread = thread
-        self._key_ttl = key_ttl
         self._clock = clock
-        self._closing = False
         self.commits = 0
         """Transactions committed so far; fewer than operations under load."""
         self._fences: dict[str, int | None] = {}
