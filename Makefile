@@ -129,7 +129,8 @@ quick: lint $(STAMP) servers
 ## cluster of their own), Patroni and etcd, which fail that cluster over, wrk, the
 ## benchmark's load generator, curl, a client the listener is driven with (TLS,
 ## 100 Continue), rclone, whose recipes (docs/tools.md) are tested against S3 and
-## WebDAV, and chromium with its driver, the browser the operator page is tested in.
+## WebDAV, chromium with its driver, the browser the operator page is tested in, and
+## prometheus (with promtool), which checks and runs the alerting rules.
 servers:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
@@ -142,6 +143,7 @@ servers:
 	command -v rclone >/dev/null 2>&1 || missing="$$missing rclone"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing$$missing from Debian's packages"; \
@@ -175,9 +177,9 @@ audit: $(STAMP)
 lock: $(STAMP)
 	$(BIN)/pip install --quiet 'pip-tools>=7.4'
 	$(COMPILE) -o $(INSTALLER) requirements/installer.in
-	$(COMPILE) --extra server --extra test --extra dev --extra fast -o $(LOCK) \
+	$(COMPILE) --extra server --extra test --extra dev --extra fast --extra otel -o $(LOCK) \
 	  pyproject.toml requirements/build.in
-	$(COMPILE) --extra server --extra fast -c $(LOCK) -o requirements/server.lock \
+	$(COMPILE) --extra server --extra fast --extra otel -c $(LOCK) -o requirements/server.lock \
 	  pyproject.toml requirements/build.in
 	$(COMPILE) -c $(LOCK) -o requirements/client.lock pyproject.toml
 	$(COMPILE) --extra server -c $(LOCK) -o requirements/demo.lock pyproject.toml \

@@ -478,6 +478,16 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             Load(),
             extra="log_format: json\nlog_levels: {fenceproxy.decisions: DEBUG}",
         )
+        # Every request traced (a server and a client span each), exported over OTLP/HTTP
+        # to a sink that takes each batch and drops it: what tracing costs when it is
+        # on (bench/tracing_cost.py measures it off).
+        if wanted("fenced traced"):
+            sink = free_port()
+            command = [sys.executable, str(HERE / "upstream.py"), str(sink)]
+            processes.start("otlp-sink", command, sink, LOAD_CORE)
+            endpoint = f"http://127.0.0.1:{sink}/v1/traces"
+            traced = f"tracing: {{endpoint: '{endpoint}', sample_ratio: 1.0}}"
+            sqlite_setup("fenced traced", Load(), extra=traced)
         sqlite_setup("fenced, 1M jobs", Load(jobs=MILLION), prefill=MILLION)
         sqlite_setup("raising", Load(raise_generation=True))
         sqlite_setup("keys", Load(keys=True))
@@ -626,6 +636,8 @@ TARGETS = [
     Target("hot job, job order, vs fenced", "hot job", "fenced", "rps"),
     Target("fenced over TLS req/s vs plain", "fenced tls", "fenced", "rps"),
     Target("fenced over TLS CPU/request vs plain", "fenced tls", "fenced", "cpu_us"),
+    Target("traced req/s vs fenced", "fenced traced", "fenced", "rps"),
+    Target("traced CPU/request vs fenced", "fenced traced", "fenced", "cpu_us"),
     Target("workers: 2 pass-through >= 1.7x workers: 1", "w2 pass-through", "w1 pass-through",
            "rps", ">=", 1.7),
     Target("workers: 2 pg fenced >= 1.4x workers: 1", "w2 pg fenced", "w1 pg fenced", "rps",
@@ -668,6 +680,15 @@ def targets(rows: dict[str, Setup]) -> list[str]:
     return missed
 
 
+def said(n: int, setup: Setup, run: dict[str, float]) -> str:
+    """The line that tells round ``n``'s ``run`` of ``setup``."""
+    return (
+        f"round {n + 1} {setup.name:<16} {run['rps']:>8,.0f} req/s "
+        f"{run['cpu_us']:>6.0f} µs/req p99 {run['p99_ms']:.1f} ms"
+        + (f"  {run['failed']} FAILED" if run["failed"] else "")
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -692,12 +713,7 @@ def main() -> int:
             for setup in table:
                 run = measure(setup, args.seconds, args.connections, args.warmup)
                 setup.runs.append(run)
-                print(
-                    f"round {n + 1} {setup.name:<16} {run['rps']:>8,.0f} req/s "
-                    f"{run['cpu_us']:>6.0f} µs/req p99 {run['p99_ms']:.1f} ms"
-                    + (f"  {run['failed']} FAILED" if run["failed"] else ""),
-                    flush=True,
-                )
+                print(said(n, setup, run), flush=True)
         missed = report(table, args.rounds, args.seconds, args.connections)
         if args.json:
             Path(args.json).write_text(

@@ -18,6 +18,7 @@ __all__ = [
     "proxy_log",
     "server_log",
     "store_log",
+    "tracing_log",
 ]
 
 proxy_log = logging.getLogger("fenceproxy.proxy")
@@ -25,6 +26,9 @@ access_log = logging.getLogger("fenceproxy.access")
 store_log = logging.getLogger("fenceproxy.store")
 lease_log = logging.getLogger("fenceproxy.leases")
 server_log = logging.getLogger("fenceproxy.server")
+tracing_log = logging.getLogger("fenceproxy.tracing")
+"""What OpenTelemetry says of the traces' export, one line a minute at most
+(:mod:`fenceproxy.ops.tracing`)."""
 decision_log = logging.getLogger("fenceproxy.decisions")
 """One line per fenced decision: refusals at INFO, forwarded and replayed writes at
 DEBUG. Its fields ride on the record as ``fields``; never a token, body or secret."""

@@ -263,11 +263,16 @@ async def raw_request(port: int, data: bytes) -> bytes:
 
 @asynccontextmanager
 async def running(
-    config: str | os.PathLike[str], *args: str, port: int | None = None
+    config: str | os.PathLike[str],
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[ProxyProcess]:
-    """A proxy process serving ``config`` (``args`` added to its command line) for the
-    block, on ``port`` or a free one; killed as the block ends, even by a failure."""
-    proxy = await ProxyProcess(config, free_port() if port is None else port, *args).start()
+    """A proxy process serving ``config`` (``args`` added to its command line, ``env``
+    to its environment) for the block, on ``port`` or a free one; killed as the block
+    ends, even by a failure."""
+    proxy = ProxyProcess(config, free_port() if port is None else port, *args, env=env)
+    await proxy.start()
     try:
         yield proxy
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(shutil.which("wrk") is None or NGINX is None, reason="wrk or nginx missing")
 def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
     figures = tmp_path / "bench.json"
-    setups = ["direct", "nginx", "fenced", "fenced tls", "raising"]
+    setups = ["direct", "nginx", "fenced", "fenced tls", "fenced traced", "raising"]
     result = subprocess.run(
         [
             sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",
@@ -85,3 +86,30 @@ def test_the_wake_benchmark_times_a_waiting_claim_from_each_release() -> None:
     releases, *figures = (float(cell) for cell in row.strip("|").split("|")[1:])
     assert releases == 5
     assert 0 < figures[0] <= figures[-1]  # the median, at most the worst
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk missing")
+def test_the_tracing_cost_check_runs_this_tree_against_a_revision(tmp_path: Path) -> None:
+    """``bench/tracing_cost.py`` drives this tree and a revision's package in turn and
+    judges the ratio of their CPU per request."""
+    figures = tmp_path / "cost.json"
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "bench" / "tracing_cost.py"), "--baseline", "HEAD",
+            "--rounds", "2", "--seconds", "1", "--warmup", "0", "--json", str(figures),
+        ],
+        capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads(figures.read_text())
+    for name in ("this", "baseline"):
+        assert len(runs[name]) == 2, name  # one run each round
+        for figure in runs[name]:
+            assert figure["requests"] > 10, name
+            assert figure["failed"] == 0, name
+    ratio = statistics.median(r["cpu_us"] for r in runs["this"]) / statistics.median(
+        r["cpu_us"] for r in runs["baseline"]
+    )
+    assert runs["ratio"] == pytest.approx(ratio)
+    assert re.search(r"^(PASS|MISS) +tracing off, CPU/request vs the baseline", result.stdout, re.M)

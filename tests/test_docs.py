@@ -57,6 +57,7 @@ import yaml
 
 from fenceproxy import cli, log
 from fenceproxy.config import Config, load_config
+from fenceproxy.ops.tracing import ATTRIBUTES
 
 from .certs import Certificates
 
@@ -160,13 +161,17 @@ def _secret() -> str:
 
 
 def _secrets(data: Any) -> Iterator[dict[str, Any]]:
-    """Every secret a config names: signing keys and lease API clients."""
+    """Every secret a config names: signing keys, lease API clients and the headers
+    sent with traces."""
     if not isinstance(data, dict):
         return
     for section, key in (("signing", "keys"), ("leases", "clients")):
         if isinstance(data.get(section), dict):
             yield from data[section].get(key) or []
     yield from data.get("admin_clients") or []
+    if isinstance(data.get("tracing"), dict):
+        headers = data["tracing"].get("headers") or {}
+        yield from (value for value in headers.values() if isinstance(value, dict))
 
 
 def _make_tls_files(data: dict[str, Any], folder: Path) -> None:
@@ -527,7 +532,8 @@ def test_every_file_module_and_test_the_pages_name_exists() -> None:
                     last_file = span
         for n, line in enumerate(page.read_text().split("\n"), 1):
             for name in DOTTED.findall(line):  # prose and code blocks alike
-                if not FILE_SUFFIX.search(name) and name not in LOGGERS and not _resolves(name):
+                known = LOGGERS | ATTRIBUTES  # a logger, or an attribute of the traces
+                if not FILE_SUFFIX.search(name) and name not in known and not _resolves(name):
                     broken.append(f"{_where(page, n)}: `{name}`: no such module or attribute")
     assert not broken, "\n".join(broken)
 

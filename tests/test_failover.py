@@ -36,6 +36,7 @@ from fenceproxy.testing import ProxyProcess, Received, RecordingUpstream, free_p
 
 from .patroni import NODES, PatroniCluster, patroni_available
 from .postgres import sql
+from .test_admin import samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -179,6 +180,12 @@ async def readiness(http: aiohttp.ClientSession, proxy: ProxyProcess) -> dict[st
         return body
 
 
+async def synchronous_standby(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
+    """``fenceproxy_store_synchronous_standby`` as the proxy's metrics read it now."""
+    async with http.get(f"{proxy.admin_url}/metrics") as page:
+        return samples(await page.text())[("fenceproxy_store_synchronous_standby", ())]
+
+
 async def until(
     condition: Callable[[], Any], within: float, what: str, details: Callable[[], str] = str
 ) -> None:
@@ -219,12 +226,14 @@ async def test_a_failover_under_traffic_loses_nothing_and_lets_nothing_stale_thr
             # proxies are not ready, and say what to do.
             unready = await readiness(http, proxies[0])
             assert "grant it pg_monitor" in unready["detail"], unready
+            assert await synchronous_standby(http, proxies[0]) == 0  # what the alert reads
             await sql(cluster.node_url(old, "postgres", user="postgres"),
                       "GRANT pg_monitor TO fenceproxy")  # fmt: skip
             for proxy in proxies:
                 ready = await readiness(http, proxy)
                 assert ready["status_code"] == 200, ready
                 assert ready["primary"] == f"127.0.0.1:{cluster.pg_port(old)}"
+                assert await synchronous_standby(http, proxy) == 1
 
             await until(
                 lambda: ledger.acks_after(0) >= 20,

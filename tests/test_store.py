@@ -917,3 +917,42 @@ async def test_each_batch_is_reported_with_its_time_and_its_size(store: Store) -
     assert got[("fenceproxy_store_batch_operations_sum", ())] == 5
     assert got[("fenceproxy_store_commit_seconds_count", ())] == 1
     assert 0 < got[("fenceproxy_store_commit_seconds_sum", ())] <= took
+
+
+async def test_a_scrape_reads_the_jobs_held_and_whether_the_store_answers(
+    store: Store, clock: FakeClock
+) -> None:
+    """What the held-job and store-down alerts read, on every scrape: the jobs a live
+    in-flight record holds, each once, by state (a write at the upstream, or one whose
+    outcome is unknown: quarantined) until the record ends; the store answering, and
+    no standby gauge for a store not asked to have one (no ``?require_sync=true``: a
+    single server is not alerted on); and once the store fails, only that it does
+    not answer."""
+    metrics = Metrics()
+
+    async def scraped() -> dict[str, float]:
+        await metrics.store.read(store)
+        got = samples(metrics.render().decode())
+        read = ("fenceproxy_store_up", "fenceproxy_store_synchronous_standby")
+        return {
+            dict(labels).get("state", name): value
+            for (name, labels), value in got.items()
+            if name in read or name == "fenceproxy_store_jobs_held"
+        }
+
+    assert await scraped() == {"fenceproxy_store_up": 1, "in_flight": 0, "unknown": 0}
+    # Job a: two writes of one generation in flight together; b: sent, its outcome
+    # unknown (held 40 s from now); c: answered, so not held.
+    a1, a2 = (FencedWrite("r", "a", 1, hold=30, shared=True) for _ in range(2))
+    b, c = FencedWrite("r", "b", 1, hold=30), FencedWrite("r", "c", 1, hold=30)
+    for write in (a1, a2, b, c):
+        assert isinstance(await admit(store, write), Admit)
+    await store.end_turn(b, unknown_for=40)
+    await store.end_turn(c)
+    assert await scraped() == {"fenceproxy_store_up": 1, "in_flight": 1, "unknown": 1}
+    clock.advance(30)
+    assert await scraped() == {"fenceproxy_store_up": 1, "in_flight": 0, "unknown": 1}
+    clock.advance(10)
+    assert await scraped() == {"fenceproxy_store_up": 1, "in_flight": 0, "unknown": 0}
+    await store.close()
+    assert await scraped() == {"fenceproxy_store_up": 0}

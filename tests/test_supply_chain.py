@@ -41,8 +41,8 @@ def requirements(*extras: str) -> list[Requirement]:
 @pytest.mark.parametrize(
     ("lock", "extras"),
     [
-        ("dev.lock", ("server", "test", "dev", "fast")),
-        ("server.lock", ("server", "fast")),
+        ("dev.lock", ("server", "test", "dev", "fast", "otel")),
+        ("server.lock", ("server", "fast", "otel")),
         ("client.lock", ()),
         ("demo.lock", ("server",)),
     ],
@@ -70,7 +70,7 @@ def test_the_deployed_locks_are_the_tested_versions(lock: str) -> None:
 
 def test_the_client_lock_holds_none_of_the_servers_libraries() -> None:
     client = pins("client.lock")
-    for requirement in requirements("server", "fast"):
+    for requirement in requirements("server", "fast", "otel"):
         if requirement not in requirements():
             assert canonicalize_name(requirement.name) not in client, requirement
 

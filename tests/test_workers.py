@@ -162,7 +162,23 @@ async def test_sighup_reloads_every_worker(
     assert answers == [(200, "")] * CONNECTIONS
 
 
+async def restarts(process: ProxyProcess) -> dict[str, float]:
+    """``fenceproxy_worker_restarts_total`` by worker, from the supervisor's metrics."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(process.admin_url + "/metrics") as response,
+    ):
+        text = await response.text()
+    return {
+        dict(labels)["worker"]: value
+        for (name, labels), value in samples(text).items()
+        if name == "fenceproxy_worker_restarts_total"
+    }
+
+
 async def test_a_killed_worker_is_started_again(supervisor: ProxyProcess) -> None:
+    """The port keeps its workers, and the restart is counted, for an alert."""
+    assert await restarts(supervisor) == {"0": 0, "1": 0}
     first, second = workers_of(supervisor)
     os.kill(first, signal.SIGKILL)
     await eventually(
@@ -173,6 +189,7 @@ async def test_a_killed_worker_is_started_again(supervisor: ProxyProcess) -> Non
     await eventually(lambda: supervisor.output().count("fenceproxy on http") >= 3)
     answers = await asyncio.gather(*(write(supervisor.url, f"k-{n}", 1) for n in range(20)))
     assert answers == [(200, "")] * 20
+    assert sorted((await restarts(supervisor)).values()) == [0, 1]
 
 
 async def test_sigterm_stops_every_worker_cleanly(supervisor: ProxyProcess) -> None:
@@ -350,6 +367,7 @@ _UNSTEADY = [
     (re.compile(rb"live, [.0-9]+ s left"), b"live, s left"),
     (re.compile(rb'(": \[)\d+(, \d+, \d+\])'), rb"\1_\2"),
     (re.compile(rb"(<tr><td>[a-z-]+</td><td>)\d+(</td>)"), rb"\1_\2"),
+    (re.compile(rb"<td>[.0-9]+ (\xc2\xb5|\\u00b5|m)?s</td>"), b"<td>TOOK</td>"),
 ]  # fmt: skip
 _SHOWN_FIELDS = (
     "Content-Type", "Content-Security-Policy", "X-Content-Type-Options", "Referrer-Policy",
@@ -395,6 +413,8 @@ async def admin_answers(process: ProxyProcess, secret: str, worker: int) -> dict
             text = await got.text()
     summed: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for (name, labels), value in samples(text).items():
+        if name == "fenceproxy_worker_restarts_total":
+            continue  # the supervisor's own: one process has no workers to start again
         key = name, tuple((k, v) for k, v in labels if k != "worker")
         summed[key] = summed.get(key, 0.0) + value
     counted = ("fenceproxy_decisions_total", "fenceproxy_lease_calls_total")

@@ -21,6 +21,7 @@ from .material import (
     presented,
     signing_keys,
     tls_contexts,
+    tracing_headers,
 )
 from .reload import Reader, restart_only, setting
 from .schema import (
@@ -33,6 +34,7 @@ from .schema import (
     RouteSpec,
     SigningKeySpec,
     SigningSpec,
+    TracingSpec,
     is_loopback,
     parse_listen,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "SigningKeySpec",
     "SigningSpec",
     "TlsContexts",
+    "TracingSpec",
     "admin_credentials",
     "is_loopback",
     "lease_credentials",
@@ -61,4 +64,5 @@ __all__ = [
     "setting",
     "signing_keys",
     "tls_contexts",
+    "tracing_headers",
 ]

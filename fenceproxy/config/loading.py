@@ -21,7 +21,13 @@ from pydantic import BaseModel, ValidationError
 from ..errors import ConfigError
 from ..spool import SpoolFolder, default_folder
 from ..store.url import absolute_store_url
-from .material import admin_credentials, lease_credentials, signing_keys, tls_contexts
+from .material import (
+    admin_credentials,
+    lease_credentials,
+    signing_keys,
+    tls_contexts,
+    tracing_headers,
+)
 from .schema import Config, SecretSpec, is_loopback, parse_listen
 
 __all__ = ["load_config", "parse_config"]
@@ -71,12 +77,12 @@ def _in_clear(config: Config) -> list[tuple[str, str]]:
 
 def _key(loc: tuple[int | str, ...]) -> str:
     """``("routes", 0, "upstream")`` to ``routes[0].upstream``, without pydantic's
-    internal validator names."""
+    internal validator names nor a union's tags (``(secret)``, which no key has)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not part.startswith("function-"):
+        elif not part.startswith(("function-", "(")):
             out += f".{part}" if out else part
     return out
 
@@ -213,6 +219,12 @@ def load_config(
         update["leases"] = config.leases.model_copy(update={"clients": clients})
     if config.admin_clients:
         update["admin_clients"] = _absolute_files(config.admin_clients, folder)
+    if config.tracing is not None:
+        headers = {
+            name: value if isinstance(value, str) else _absolute_files((value,), folder)[0]
+            for name, value in config.tracing.headers.items()
+        }
+        update["tracing"] = config.tracing.model_copy(update={"headers": headers})
     for key in ("tls", "admin_tls"):
         spec = getattr(config, key)
         if spec is not None:
@@ -235,6 +247,7 @@ def load_config(
     lease_credentials(config.leases, source)
     admin_credentials(config, source)
     tls_contexts(config, source)
+    tracing_headers(config.tracing, source)
     try:
         SpoolFolder(temp_path).prepare()
     except ValueError as exc:

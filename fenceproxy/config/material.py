@@ -18,7 +18,15 @@ from ..errors import ConfigError
 from ..fence.tokens import SigningKeys, decode_key
 from ..leases.auth import SECRET, LeaseCredentials
 from ..tls import Certificate, client_context, parse_subject, read_certificate, server_context
-from .schema import Config, LeasesSpec, SecretSpec, SigningSpec, UpstreamTlsSpec
+from .schema import (
+    Config,
+    LeasesSpec,
+    SecretSpec,
+    SigningSpec,
+    TracingSpec,
+    UpstreamTlsSpec,
+    header_value,
+)
 
 __all__ = [
     "Presented",
@@ -28,6 +36,7 @@ __all__ = [
     "presented",
     "signing_keys",
     "tls_contexts",
+    "tracing_headers",
 ]
 
 T = TypeVar("T")
@@ -78,6 +87,26 @@ def admin_credentials(config: Config, source: str) -> LeaseCredentials | None:
         )
     except ValueError as exc:
         raise ConfigError(source, [("admin_clients", str(exc))]) from None
+
+
+def tracing_headers(spec: TracingSpec | None, source: str) -> dict[str, str]:
+    """The headers sent with every export of traces, those named by ``env`` or ``file``
+    read; ConfigError naming ``source`` and the key of each that is missing or not a
+    header value."""
+    if spec is None:
+        return {}
+    headers, problems = {}, []
+    for name, value in spec.headers.items():
+        if isinstance(value, str):
+            headers[name] = value
+            continue
+        try:
+            headers[name] = header_value(_secret_text(value).strip())
+        except ValueError as exc:
+            problems.append((f"tracing.headers.{name}.{_source(value)}", str(exc)))
+    if problems:
+        raise ConfigError(source, problems)
+    return headers
 
 
 def tls_contexts(config: Config, source: str) -> TlsContexts:
@@ -187,23 +216,30 @@ def _read_secrets(
     values: list[T] = []
     problems: list[tuple[str, str]] = []
     for n, spec in zip(positions or range(len(specs)), specs, strict=True):
-        if spec.env is not None:
-            where, text = f"{key}[{n}].env", os.environ.get(spec.env)
-            if text is None:
-                problems.append((where, f"the environment variable {spec.env} is not set"))
-                continue
-        else:
-            assert spec.file is not None
-            where = f"{key}[{n}].file"
-            try:
-                text = Path(spec.file).read_text(encoding="ascii")
-            except (OSError, UnicodeDecodeError) as exc:
-                problems.append((where, f"cannot read {spec.file}: {exc}"))
-                continue
         try:
-            values.append(decode(text))
+            values.append(decode(_secret_text(spec)))
         except ValueError as exc:
-            problems.append((where, str(exc)))
+            problems.append((f"{key}[{n}].{_source(spec)}", str(exc)))
     if problems:
         raise ConfigError(source, problems)
     return values
+
+
+def _source(spec: SecretSpec) -> str:
+    """The key a secret is read by: ``env`` or ``file``."""
+    return "env" if spec.env is not None else "file"
+
+
+def _secret_text(spec: SecretSpec) -> str:
+    """The text of the secret ``spec`` names; ValueError, saying why, when it cannot
+    be read."""
+    if spec.env is not None:
+        text = os.environ.get(spec.env)
+        if text is None:
+            raise ValueError(f"the environment variable {spec.env} is not set")
+        return text
+    assert spec.file is not None
+    try:
+        return Path(spec.file).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {spec.file}: {exc}") from None

@@ -21,8 +21,10 @@ RESTART_ONLY = (
     "idempotency.ttl",
     "shutdown_timeout",
     "limits.body_temp_path",
+    "tracing",
 )
-"""What a reload cannot change: where it listens, what it keeps its state in."""
+"""What a reload cannot change: where it listens, what it keeps its state in, where
+its traces go (the exporter and its thread are made once, at start)."""
 
 Reader = Callable[[Mapping[str, Any] | None], Config]
 """Reads the config file again, keeping the given dotted keys' values (``keep`` of

@@ -10,6 +10,7 @@ file and the key. Nothing here is re-checked per request:
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import re
@@ -19,7 +20,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -45,7 +48,9 @@ __all__ = [
     "SecretSpec",
     "SigningKeySpec",
     "SigningSpec",
+    "TracingSpec",
     "UpstreamTlsSpec",
+    "header_value",
     "is_loopback",
     "parse_listen",
 ]
@@ -103,6 +108,18 @@ def parse_listen(value: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+def _http_url(value: str, expected: str) -> URL:
+    """``value`` as an ``http://`` or ``https://`` URL with a host; ValueError saying
+    what was ``expected`` otherwise."""
+    try:
+        url = URL(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"expected {expected}")
+    return url
 
 
 def _header_name(value: str) -> str:
@@ -256,12 +273,7 @@ class RouteSpec(_Model):
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, value: str) -> str:
-        try:
-            url = URL(value)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"not a URL: {exc}") from None
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("expected http://HOST[:PORT][/base-path] or https://...")
+        url = _http_url(value, "http://HOST[:PORT][/base-path] or https://...")
         if url.query_string or url.fragment or url.user or url.password:
             raise ValueError("must not carry a query, fragment or credentials")
         return value
@@ -423,6 +435,89 @@ class SigningSpec(_Model):
         return self
 
 
+def header_value(value: str) -> str:
+    """A field value as it goes on the wire: printable ASCII, on one line."""
+    if not re.fullmatch(r"[\x20-\x7e]*", value, re.ASCII):
+        raise ValueError("a header value is printable ASCII on one line")
+    return value
+
+
+def _header_kind(value: Any) -> str:
+    # Tags in parentheses, which no key has: the error names the header, not a tag.
+    return "(secret)" if isinstance(value, dict | SecretSpec) else "(text)"
+
+
+HeaderValue = Annotated[
+    Annotated[str, Tag("(text)")] | Annotated[SecretSpec, Tag("(secret)")],
+    Discriminator(_header_kind),
+]
+"""A header's value as written, or a secret read from ``env`` or ``file``."""
+
+
+def _not_a_switch(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number from 0 to 1, such as 0.1, not a yes/no value")
+    return value
+
+
+# What `tracing:` runs on: the `otel` extra's SDK and OTLP/HTTP exporter.
+_OTEL = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
+def _otel_installed() -> bool:
+    try:
+        return all(importlib.util.find_spec(module) is not None for module in _OTEL)
+    except ModuleNotFoundError:  # a package above it is missing
+        return False
+
+
+class TracingSpec(_Model):
+    """OpenTelemetry traces of the requests, exported to a collector over OTLP/HTTP
+    (:mod:`fenceproxy.ops.tracing`); they need the ``otel`` extra."""
+
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """The collector's OTLP/HTTP traces URL; one without a path gets ``/v1/traces``."""
+    sample_ratio: Annotated[float, BeforeValidator(_not_a_switch)] = Field(
+        default=1.0, ge=0, le=1, allow_inf_nan=False
+    )
+    """The share of new traces recorded. A request that carries a ``traceparent`` is
+    recorded as it says (sampled or not), whatever the ratio."""
+    headers: dict[str, HeaderValue] = {}
+    """Sent with every export: a value as written, or read from ``env`` or ``file``
+    (a collector's credential, never written in the file)."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        url = _http_url(value, "http://HOST:PORT/v1/traces or https://...")
+        if url.fragment or url.user or url.password:
+            raise ValueError("must not carry a fragment or credentials (give them in headers)")
+        if url.path in ("", "/"):
+            return str(url.with_path("/v1/traces"))
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str | SecretSpec]) -> dict[str, str | SecretSpec]:
+        for name, given in value.items():
+            _header_name(name)
+            if isinstance(given, str):
+                try:
+                    header_value(given)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _installed(self) -> TracingSpec:
+        if not _otel_installed():
+            raise ValueError(
+                "traces need OpenTelemetry, which is not installed: "
+                "pip install 'fenceproxy[otel]' (or leave tracing out)"
+            )
+        return self
+
+
 class IdempotencySpec(_Model):
     """How long idempotency keys are kept and how much response each may store."""
 
@@ -524,6 +619,9 @@ class Config(_Model):
     """``json``: one JSON object per line, a decision's fields as its members."""
     log_levels: dict[str, LogLevel] = {}
     """Levels per logger, such as ``fenceproxy.decisions: DEBUG`` (every decision)."""
+    tracing: TracingSpec | None = None
+    """OpenTelemetry traces; off unless the section is present (``tracing: {}`` sends
+    them to a collector on this machine)."""
     routes: tuple[RouteSpec, ...] = Field(default=(), validate_default=True)
     """At least one, unless the proxy serves its lease API alone."""
 
@@ -595,10 +693,10 @@ class Config(_Model):
                 raise ValueError(f"{net!r} is not an IP address or network") from None
         return value
 
-    @field_validator("leases", mode="before")
+    @field_validator("leases", "tracing", mode="before")
     @classmethod
-    def _leases_switch(cls, value: Any) -> Any:
-        # `leases:` with nothing under it, or `leases: true`, turns the API on.
+    def _section_switch(cls, value: Any) -> Any:
+        # `leases:` (or `tracing:`) with nothing under it, or `true`, turns it on.
         if value is None or value is True:
             return {}
         if value is False:

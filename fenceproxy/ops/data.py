@@ -4,7 +4,8 @@ supervisor's :class:`~fenceproxy.server.workers.WorkersData`). The listener
 (:mod:`fenceproxy.ops.admin`) and the operator page (:mod:`fenceproxy.ops.page`)
 render their answers from it by one code, whichever it is.
 
-What it gives: the metrics' text, the probes' answers, and for one process
+What it gives: the metrics' text, the probes' answers, the last hour's series
+(:mod:`fenceproxy.ops.series`, every worker's added up), and for one process
 (:meth:`AdminData.one`) the store's view of a job and its job ids (the same from
 every process on the store), the decisions it saw (:mod:`fenceproxy.ops.recent`),
 and what the page shows of it (:class:`About`).
@@ -19,6 +20,7 @@ read back by a :class:`WorkerData`::
     GET /jobs?prefix=&after=&limit=   job ids
     GET /events?after=&job=&limit=    the events, the last number, the refusals by kind
     GET /about                        the page's header, routes and certificates
+    GET /series                       the last hour's buckets, to be added up
 
 A store that fails answers 503 ``{"store_error": ...}``, raised on the reader's side
 as the StoreError it was; a worker that does not answer is ProxyBusy (503, with
@@ -44,6 +46,7 @@ from ..store.base import JobView
 from ..store.url import parse_store_url
 from .metrics import Metrics
 from .recent import Event
+from .series import Hour
 
 __all__ = [
     "About",
@@ -69,7 +72,8 @@ class RouteRow(NamedTuple):
     upstream: str
     fenced: str
     """The methods it fences and how, or ``pass-through``."""
-    timeout: str
+    timeout: float
+    """Seconds."""
     max_body: int | None
 
 
@@ -167,6 +171,9 @@ class AdminData(Protocol):
     async def ready(self) -> dict[str, Any]:
         """``/readyz``'s answer; StoreError when the store is not ready."""
 
+    async def series(self) -> Hour:
+        """The last hour's series: under ``workers:``, every worker's added up."""
+
     def one(self, worker: str | None) -> Reads:
         """The process ``?worker=`` names (the first when None); RequestMalformed
         when it names none. A single process ignores it."""
@@ -187,10 +194,14 @@ class ProcessData:
         return self
 
     async def metrics(self) -> bytes:
+        await self._metrics.store.read(self._store())
         return self._metrics.render()
 
     async def health(self) -> dict[str, Any]:
         return {"status": "serving"}
+
+    async def series(self) -> Hour:
+        return self._metrics.series.hour()
 
     async def ready(self) -> dict[str, Any]:
         store = self._store()
@@ -283,9 +294,7 @@ def _route_row(route: RouteSpec) -> RouteRow:
         if fence.check_lease:
             extra.append("lease-checked")
         fenced = f"{methods} ({'; '.join(extra)})"
-    return RouteRow(
-        route.name, route.path, route.upstream, fenced, f"{route.timeout:g}s", route.max_body
-    )
+    return RouteRow(route.name, route.path, route.upstream, fenced, route.timeout, route.max_body)
 
 
 def _certificate_row(each: Presented, now: float) -> CertificateRow:
@@ -338,6 +347,9 @@ def data_app(data: ProcessData) -> web.Application:
     async def about(request: web.Request) -> dict[str, Any]:
         return (await data.about()).json()
 
+    async def series(request: web.Request) -> dict[str, Any]:
+        return (await data.series()).json()
+
     app = web.Application()
     for path, read in (
         ("/metrics", lambda request: data.metrics()),
@@ -347,6 +359,7 @@ def data_app(data: ProcessData) -> web.Application:
         ("/jobs", jobs),
         ("/events", events),
         ("/about", about),
+        ("/series", series),
     ):
         app.router.add_get(path, serve(read))
     return app
@@ -421,6 +434,9 @@ class WorkerData:
 
     async def about(self) -> About:
         return About.from_json(await self._json("/about"))
+
+    async def series(self) -> Hour:
+        return Hour.from_json(await self._json("/series"))
 
     async def close(self) -> None:
         if self._session is not None:

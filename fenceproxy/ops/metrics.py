@@ -4,6 +4,7 @@ API record into it; the admin listener serves it at ``/metrics``."""
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from itertools import accumulate
@@ -18,11 +19,15 @@ from prometheus_client.core import (
 
 from .._version import __version__
 from ..config import Presented
-from ..store.base import StoreServer
+from ..errors import StoreError
+from ..store.base import Store, StoreGauges, StoreServer
 from .recent import Recent
+from .series import Series
 
 __all__ = ["Metrics"]
 
+# How long a scrape waits for the store's gauges before it says the store is down.
+_STORE_READ_WAIT = 2.0
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -32,6 +37,8 @@ class Metrics:
     def __init__(self) -> None:
         self.recent = Recent()
         """The last decisions and lease calls themselves, for the operator page."""
+        self.series = Series()
+        """The last hour in buckets, for the operator page's charts."""
         self.registry = CollectorRegistry()
         r = self.registry
         # Counted on every request: plain numbers, turned into samples when scraped.
@@ -85,9 +92,10 @@ class Metrics:
         their ends, for the gauge and the operator page."""
         r.register(_CertificateEnds(lambda: self.certificates))
 
-    def decided(self, route: str, outcome: str) -> None:
+    def decided(self, route: str, outcome: str, seconds: float) -> None:
         key = (route, outcome)
         self._decisions[key] = self._decisions.get(key, 0) + 1
+        self.series.decision(outcome, seconds)
 
     def upstream_answered(self, route: str, seconds: float, status: int | None) -> None:
         self._upstream.observe(route, -1 if status is None else status // 100, seconds)
@@ -95,6 +103,7 @@ class Metrics:
     def committed(self, seconds: float, operations: int) -> None:
         self._commits.observe(seconds)
         self._batches.observe(operations)
+        self.series.batch(operations)
 
     def lease_call(self, action: str, result: str) -> None:
         self._leases.labels(action, result).inc()
@@ -166,16 +175,31 @@ class _PerRequest:
 
 
 class _StoreMetrics:
-    """The database server the store reaches, read from the store when scraped."""
+    """The store, as :meth:`read` found it for the scrape, and the database server it
+    reaches."""
 
     def __init__(self) -> None:
         self.server: StoreServer | None = None
         """The open store's :attr:`~fenceproxy.store.base.Store.server`."""
+        self._scraped = False
+        self._gauges: StoreGauges | None = None
+
+    async def read(self, store: Store) -> None:
+        """Read the store's gauges for the scrape about to be rendered. A store that
+        fails, or takes longer than ``_STORE_READ_WAIT``, is down for this scrape."""
+        self._scraped = True
+        try:
+            async with asyncio.timeout(_STORE_READ_WAIT):
+                self._gauges = await store.gauges()
+        except (StoreError, TimeoutError):
+            self._gauges = None
 
     def describe(self) -> list[Metric]:
         return []  # collected only when scraped, once the store is open
 
     def collect(self) -> Iterator[Metric]:
+        if self._scraped:
+            yield from self._read_gauges(self._gauges)
         server = self.server
         if server is None or server.address is None:
             return  # an embedded store reaches no server
@@ -196,6 +220,33 @@ class _StoreMetrics:
         )
         primary.add_metric([server.address], 1)
         yield primary
+
+    @staticmethod
+    def _read_gauges(gauges: StoreGauges | None) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "fenceproxy_store_up",
+            "Whether the store answered this scrape's read: 1, or 0 when it failed or "
+            f"took over {_STORE_READ_WAIT:g} s",
+            value=0 if gauges is None else 1,
+        )
+        if gauges is None:
+            return
+        held = GaugeMetricFamily(
+            "fenceproxy_store_jobs_held",
+            "Jobs held by a live in-flight record, by its state: in_flight (a write at "
+            "the upstream), unknown (its outcome unknown: the job quarantined)",
+            labels=["state"],
+        )
+        for state in ("in_flight", "unknown"):
+            held.add_metric([state], gauges.held.get(state, 0))
+        yield held
+        if gauges.synchronous is not None:
+            yield GaugeMetricFamily(
+                "fenceproxy_store_synchronous_standby",
+                "PostgreSQL with ?require_sync=true: 1 when every commit waits for a "
+                "synchronous standby (as that option checks), else 0",
+                value=int(gauges.synchronous),
+            )
 
 
 class _CertificateEnds:

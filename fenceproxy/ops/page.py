@@ -1,9 +1,13 @@
 """The operator page, at the admin listener's ``/``: one server-rendered page with a
-little plain JavaScript (``static/page.js``, no build step, nothing from elsewhere).
+little plain JavaScript (``static/page.js`` and ``static/charts.js``, no build step,
+nothing from elsewhere) and uPlot, kept beside them (``static/uPlot.iife.min.js``).
 
-It shows the decisions of this proxy as they happen (the script asks for the rows
-after the last it has, once a second), the refusals by kind over the last minute, 5
-and 15 minutes, the routes of the running config and their upstreams, the
+It draws the last hour (:mod:`fenceproxy.ops.series`, from ``/page/series``, every
+10 s): the fenced decisions per second by outcome and the refusals by kind, a fenced
+write's time (p50 and p99, through the proxy, in the store and at the upstream) and
+the store's batches. It shows the decisions of this proxy as they happen (the script
+asks for the rows after the last it has, once a second), the refusals by kind over
+the last minute, 5 and 15 minutes, the routes of the running config and their upstreams, the
 certificates it presents and when each ends (flagged within 14 days), and, for the
 job entered, what the store holds of it now and its timeline: the claims, renewals,
 completions and releases (the generations and their holders) and the writes with
@@ -11,9 +15,11 @@ their decisions, as this proxy saw them (:mod:`fenceproxy.ops.recent`).
 
 What it shows comes from an :class:`~fenceproxy.ops.data.AdminData`: this process's,
 or under ``workers:`` the worker ``?worker=`` names (the first by default), rendered
-here alike. Every row is rendered here, the first time and as the page polls, so the
-script only places them. Every value is escaped; the page's Content-Security-Policy allows
-nothing but this listener's own script and style.
+here alike; the charts add up every worker's. Every row is rendered here, the first
+time and as the page polls, so the script only places them, and the tables work with
+JavaScript off. Every value is escaped; the page's Content-Security-Policy allows
+nothing but this listener's own script and style. One clock throughout: UTC, 24-hour;
+sizes and durations with their units (``10 MiB``, ``2.5 ms``, ``30 s``).
 """
 
 from __future__ import annotations
@@ -45,13 +51,17 @@ _HEADERS = {
 }
 _STATIC = {
     "page.js": "text/javascript; charset=utf-8",
+    "charts.js": "text/javascript; charset=utf-8",
+    "uPlot.iife.min.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
+    "uPlot.min.css": "text/css; charset=utf-8",
 }
 
 
 def add_page(app: web.Application, data: AdminData) -> None:
-    """Serve the page (``/``), its updates (``/page/feed``) and its two files, from
-    ``data``: the process ``?worker=`` names, under ``workers:``."""
+    """Serve the page (``/``), its updates (``/page/feed``), its charts' data
+    (``/page/series``) and its files, from ``data``: the process ``?worker=`` names,
+    under ``workers:``, and every worker's series added up."""
     static = {
         name: (files(__package__).joinpath("static", name).read_bytes(), kind)
         for name, kind in _STATIC.items()
@@ -97,6 +107,10 @@ def add_page(app: web.Application, data: AdminData) -> None:
             headers={"Cache-Control": "no-store"},
         )
 
+    async def series(request: web.Request) -> web.Response:
+        hour = await data.series()
+        return web.json_response(hour.drawn(time.time()), headers={"Cache-Control": "no-store"})
+
     def serve_static(name: str) -> Any:
         body, kind = static[name]
 
@@ -109,6 +123,7 @@ def add_page(app: web.Application, data: AdminData) -> None:
 
     app.router.add_get("/", page)
     app.router.add_get("/page/feed", feed)
+    app.router.add_get("/page/series", series)
     for name in static:
         app.router.add_get(f"/static/{name}", serve_static(name))
 
@@ -196,6 +211,7 @@ def _event_row(e: Event, with_job: bool) -> str:
         _cell(who),
         f'<td class="outcome">{escape(e.outcome)}</td>',
         _cell(e.status),
+        _cell(None if e.ms is None else _duration(e.ms / 1000)),
     ]
     kind = "refused" if e.refused else "granted"
     return f'<tr class="{kind}" data-seq="{e.seq}">{"".join(cells)}</tr>'
@@ -215,7 +231,12 @@ def _refusal_rows(refusals: dict[str, list[int]]) -> str:
 
 
 def _route_rows(routes: Iterable[RouteRow]) -> str:
-    return "".join(f"<tr>{''.join(_cell(v) for v in route)}</tr>" for route in routes)
+    return "".join(
+        f"<tr>{''.join(_cell(v) for v in route[:-2])}"
+        f"{_cell(_duration(route.timeout))}"
+        f"{_cell(None if route.max_body is None else _size(route.max_body))}</tr>"
+        for route in routes
+    )
 
 
 def _certificate_rows(certificates: Iterable[CertificateRow]) -> str:
@@ -240,9 +261,32 @@ def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}"
 
 
+def _duration(seconds: float) -> str:
+    """``30 s``, ``2.5 ms``, ``250 µs``: three significant digits, in the largest unit
+    not above it."""
+    if seconds >= 1:
+        return f"{_number(seconds)} s"
+    if seconds >= 0.001:
+        return f"{_number(seconds * 1000)} ms"
+    return f"{_number(seconds * 1e6)} µs"
+
+
+def _size(size: int) -> str:
+    """``10 MiB``, ``1.5 KiB``, ``512 B``."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size >= scale:
+            return f"{_number(size / scale)} {unit}"
+    return f"{size} B"
+
+
+def _number(value: float) -> str:
+    """Three significant digits, never an exponent: ``2.5``, ``30``, ``1234``."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 _TIMELINE = """<table class="events"{hidden}><thead><tr><th>time (UTC)</th><th>what</th>
 <th>route</th><th>generation</th><th>newer</th><th>key or holder</th><th>decision</th>
-<th>status</th></tr></thead><tbody id="timeline">{rows}</tbody></table>"""
+<th>status</th><th>took</th></tr></thead><tbody id="timeline">{rows}</tbody></table>"""
 
 _PAGE = """<!doctype html>
 <html lang="en">
@@ -250,8 +294,11 @@ _PAGE = """<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>fenceproxy on {listen}</title>
+<link rel="stylesheet" href="/static/uPlot.min.css">
 <link rel="stylesheet" href="/static/page.css">
+<script src="/static/uPlot.iife.min.js" defer></script>
 <script src="/static/page.js" defer></script>
+<script src="/static/charts.js" defer></script>
 </head>
 <body data-last="{last}" data-job="{job_attr}" data-worker="{worker_attr}">
 <header>
@@ -261,6 +308,26 @@ _PAGE = """<!doctype html>
 &middot; <span id="feed-status">updated when loaded</span></p>
 </header>
 <main>
+<section>
+<h2>The last hour</h2>
+<p class="note">In steps of 10 s on the clock (UTC), as this proxy has seen them since it
+started (under <code>workers:</code>, every worker's added up); kept in memory, lost on
+a restart.</p>
+<noscript><p class="empty">The charts are drawn by the page's script; the tables below
+need none.</p></noscript>
+<div class="charts" id="charts" hidden>
+<figure><figcaption>Fenced writes per second, by decision</figcaption>
+<div class="chart" id="chart-decisions"></div></figure>
+<figure><figcaption>Refusals per second, by kind</figcaption>
+<div class="chart" id="chart-refusals"></div></figure>
+<figure><figcaption>A fenced write's time: p99 (solid) and p50 (dashed), through the
+proxy, in the store and at the upstream</figcaption>
+<div class="chart" id="chart-seconds"></div></figure>
+<figure><figcaption>Store transactions: operations per commit, mean and largest</figcaption>
+<div class="chart" id="chart-batches"></div></figure>
+</div>
+<p id="charts-status" class="empty"></p>
+</section>
 <section>
 <h2>Refusals by kind</h2>
 <table class="counts"><thead><tr><th>kind</th><th>last minute</th><th>5 minutes</th>
@@ -279,7 +346,7 @@ _PAGE = """<!doctype html>
 <h2>Decisions, newest first</h2>
 <table class="events"><thead><tr><th>time (UTC)</th><th>what</th><th>job</th>
 <th>route</th><th>generation</th><th>newer</th><th>key or holder</th><th>decision</th>
-<th>status</th></tr></thead><tbody id="events">{events}</tbody></table>
+<th>status</th><th>took</th></tr></thead><tbody id="events">{events}</tbody></table>
 </section>
 <section>
 <h2>Routes</h2>

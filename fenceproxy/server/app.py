@@ -23,7 +23,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -42,6 +42,7 @@ from ..config import (
     setting,
     signing_keys,
     tls_contexts,
+    tracing_headers,
 )
 from ..errors import ConfigError, InvariantError, ListenError, Refusal
 from ..http.answer import Answer, problem_answer
@@ -63,8 +64,12 @@ from .proxy import Proxy, ProxySettings
 from .turn import JobLocks
 from .workers import Seat
 
+if TYPE_CHECKING:
+    from ..ops.tracing import Tracing
+
 __all__ = ["FenceProxy", "notify_systemd", "serve"]
 
+_Part = TypeVar("_Part")
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
@@ -102,6 +107,7 @@ class FenceProxy:
         self._upstreams: UpstreamPool | None = None
         self._server: DataPlane | None = None
         self._tls: TlsContexts | None = None
+        self._tracing: Tracing | None = None
         self._take(config)
 
     def restart_only(self, config: Config) -> dict[str, Any]:
@@ -167,13 +173,19 @@ class FenceProxy:
         config = self.config
         if self._leases is not None:
             self._leases.store = store
+            self._leases.tracing = self._tracing
         settings = ProxySettings(
             trusted=TrustedProxies(config.trusted_proxies),
             max_stored_response=config.idempotency.max_response,
             keys=self._keys,
         )
         if self._proxy is None:
-            self._upstreams = UpstreamPool(self._router, self.metrics.upstream_answered)
+            answered, tracing = self.metrics.upstream_answered, self._tracing
+            self._upstreams = (
+                UpstreamPool(self._router, answered)
+                if tracing is None
+                else tracing.upstreams(self._router, answered)
+            )
             self._proxy = Proxy(
                 self._router,
                 settings,
@@ -182,6 +194,7 @@ class FenceProxy:
                 bodies=self._bodies,
                 metrics=self.metrics,
                 locks=self.locks,
+                tracing=tracing,
             )
         else:
             assert self._upstreams is not None
@@ -214,9 +227,7 @@ class FenceProxy:
 
     @property
     def store(self) -> Store:
-        if self._store is None:
-            raise InvariantError("the proxy is not open")
-        return self._store
+        return _opened(self._store)
 
     @property
     def bodies(self) -> Bodies:
@@ -225,9 +236,7 @@ class FenceProxy:
 
     @property
     def upstreams(self) -> UpstreamPool:
-        if self._upstreams is None:
-            raise InvariantError("the proxy is not open")
-        return self._upstreams
+        return _opened(self._upstreams)
 
     async def __aenter__(self) -> FenceProxy:
         config = self.config
@@ -236,6 +245,9 @@ class FenceProxy:
             parse_store_url(config.store), key_ttl=config.idempotency.ttl, clock=self._clock
         )
         self._store.on_commit = self.metrics.committed
+        if config.tracing is not None:
+            self._tracing = _start_tracing(config)
+            self._store.on_commit = self._tracing.watch_commits(self.metrics.committed)
         self.metrics.store.server = self._store.server
         self._bind(self._store)
         return self
@@ -252,14 +264,19 @@ class FenceProxy:
             await self._upstreams.close()
         if self._store is not None and self._given_store is None:
             await self._store.close()
-        self._proxy = self._upstreams = self._store = None
+        if self._tracing is not None:  # last: the spans of what was cut above go too
+            await self._tracing.close()
+        self._proxy = self._upstreams = self._store = self._tracing = None
 
     def server(self, **kwargs: Any) -> DataPlane:
         """The data plane for :meth:`handle`, with the config's limits at the door
         (:mod:`fenceproxy.http.server`); ``kwargs`` go to it (``access_log``,
-        ``max_connections``, ``handler_cancellation``)."""
+        ``max_connections``, ``handler_cancellation``). With ``tracing:``, each request
+        is a span: chosen here, once, so a proxy without it never looks."""
+        tracing = self._tracing
+        handler = self.handle if tracing is None else tracing.handler(self.handle)
         server = self._server = DataPlane(
-            self.handle, _door(self.config.limits), trusted=self._bodies.trusted, **kwargs
+            handler, _door(self.config.limits), trusted=self._bodies.trusted, **kwargs
         )
         self.metrics.watch(
             bodies_held=lambda: self._bodies.held,
@@ -280,8 +297,7 @@ class FenceProxy:
     async def handle(self, request: Request) -> Answer:
         """Answer one request: the lease API under its prefix, a route otherwise.
         Refusals become RFC 9457 problem answers, each logged once."""
-        if self._proxy is None:
-            raise InvariantError("the proxy is not open")
+        proxy = _opened(self._proxy)
         try:
             raw = request.path
             prefix = self._lease_prefix
@@ -290,8 +306,10 @@ class FenceProxy:
                 # the path as sent: a job id may hold any character, `/` included.
                 assert self._leases is not None
                 return await self._leases.handle(request, raw)
-            return await self._proxy.handle(request, raw)
+            return await proxy.handle(request, raw)
         except Refusal as refusal:
+            if self._tracing is not None:
+                self._tracing.refused(refusal)
             if not refusal.logged and proxy_log.isEnabledFor(logging.INFO):
                 proxy_log.info(
                     "refused %s %s: %s (%d) %s",
@@ -302,6 +320,17 @@ class FenceProxy:
                     refusal.detail,
                 )
             return problem_answer(refusal)
+
+
+def _start_tracing(config: Config) -> Tracing:
+    """The traces ``config.tracing`` asks for; its headers' secrets read again.
+    OpenTelemetry (the ``otel`` extra) is imported here, and only here: the config's
+    validation has made sure it is installed."""
+    from ..ops.tracing import Tracing
+
+    assert config.tracing is not None
+    headers = tracing_headers(config.tracing, "config")
+    return Tracing(config.tracing, headers, config.listen)
 
 
 def _return_freed_memory() -> None:
@@ -367,6 +396,13 @@ def _door(limits: LimitsSpec) -> Limits:
         max_connections=limits.max_connections,
         max_connections_per_client=limits.max_connections_per_client,
     )
+
+
+def _opened(part: _Part | None) -> _Part:
+    """A part the proxy makes as it opens (its store, upstreams, handler)."""
+    if part is None:
+        raise InvariantError("the proxy is not open")
+    return part
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -511,6 +547,8 @@ def _shown(config: Config, name: str) -> str:
     value = setting(config, name)
     if name == "store":
         return parse_store_url(value).describe()
+    if name == "tracing":  # its headers may hold a secret
+        return "off" if value is None else f"to {value.endpoint}"
     if isinstance(value, float):  # a duration
         return f"{value:g}s"
     return "off" if value is None else str(value)

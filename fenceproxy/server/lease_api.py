@@ -36,7 +36,7 @@ import math
 import unicodedata
 from asyncio import FIRST_COMPLETED as FIRST
 from importlib.resources import files
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import unquote
 
 from multidict import CIMultiDict
@@ -66,6 +66,9 @@ from ..leases.model import Lease, LeaseState
 from ..log import lease_log
 from ..ops.metrics import Metrics
 from ..store import Store
+
+if TYPE_CHECKING:
+    from ..ops.tracing import Tracing
 
 __all__ = ["LeaseService"]
 
@@ -130,7 +133,8 @@ class _Holder(_Body):
 
 
 class LeaseService:
-    """Handlers for the lease API. ``store`` is set once the app has opened it."""
+    """Handlers for the lease API. ``store`` is set once the app has opened it, and
+    ``tracing`` then, when each call is noted on its span."""
 
     def __init__(
         self,
@@ -144,6 +148,7 @@ class LeaseService:
         signed (see :mod:`fenceproxy.fence.tokens`); with ``credentials``, every call needs one."""
         self.spec = spec
         self.store: Store | None = None
+        self.tracing: Tracing | None = None
         # The API described for clients in any language (OpenAPI 3.1), at this prefix.
         described = json.loads(files(__package__).joinpath("lease-api.json").read_bytes())
         self._openapi = json.dumps(_described(described, spec, credentials)).encode()
@@ -311,8 +316,11 @@ class LeaseService:
         return self._record(action, job, owner, outcome), now
 
     def _record(self, action: str, job: str, owner: str, outcome: Lease | Refusal) -> Lease:
-        """``outcome``, counted by action and result and kept for the operator page; a
-        refusal raised."""
+        """``outcome``, counted by action and result, kept for the operator page and
+        noted on its span; a refusal raised."""
+        if self.tracing is not None:
+            granted = outcome if isinstance(outcome, Refusal) else outcome.generation
+            self.tracing.lease_call(self.spec.prefix, action, job, owner, granted)
         recent = self._metrics.recent
         if isinstance(outcome, Refusal):
             self._metrics.lease_call(action, outcome.slug)

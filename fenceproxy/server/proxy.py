@@ -44,6 +44,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import Refusal, UnsupportedFraming
 from ..fence.fencing import FencedWrite, fingerprint_digest
@@ -62,6 +63,9 @@ from ..ops.recent import Event
 from ..store import Store
 from .relay import Relay, answer, check_length, relay, replayed
 from .turn import JobLocks, Turn, Turns
+
+if TYPE_CHECKING:
+    from ..ops.tracing import Tracing
 
 __all__ = ["WOULD_REFUSE", "Proxy", "ProxySettings"]
 
@@ -128,14 +132,16 @@ class Proxy:
         bodies: Bodies,
         metrics: Metrics,
         locks: JobLocks,
+        tracing: Tracing | None = None,
     ) -> None:
-        """Every fenced write's outcome is counted in ``metrics``; ``locks`` queue this
-        process's writes of each job."""
+        """Every fenced write's outcome is counted in ``metrics``, and noted on its span
+        with ``tracing``; ``locks`` queue this process's writes of each job."""
         self._metrics = metrics
+        self._tracing = tracing
         self._bodies = bodies
         self._upstreams = upstreams
         self._relay = Relay(bodies, upstreams)
-        self._turns = Turns(store, locks)
+        self._turns = Turns(store, locks, metrics.series.store, tracing=tracing)
         self.reconfigure(router, settings)
 
     def reconfigure(self, router: Router, settings: ProxySettings) -> None:
@@ -266,7 +272,8 @@ class Proxy:
         reading are bounded as a whole, so the exchange cannot outlive its record."""
         attempt = turn.attempt
         assert attempt is not None
-        attempt.send(time.monotonic())  # JobQuarantined if the proxy stalled since
+        sent = time.monotonic()
+        attempt.send(sent)  # JobQuarantined if the proxy stalled since
         keyed, body, whole = out.write.key is not None, b"", True
         try:
             with self._metrics.in_flight.track_inprogress():
@@ -280,6 +287,8 @@ class Proxy:
                         body, whole = await upstream.read_capped(self._max_stored)
         except TimeoutError as exc:
             raise map_failure(exc) from None
+        finally:
+            self._metrics.series.upstream(time.monotonic() - sent)
         replayable = replayable_headers(upstream) if keyed else ()
         attempt.answered(upstream.status, replayable, body, whole=whole)
         return upstream, body, whole
@@ -293,9 +302,14 @@ class Proxy:
         started: float,
         current: int | None,
     ) -> Event:
-        """Count a fenced write's decision and keep it for the operator page."""
-        self._metrics.decided(route.name, outcome)
-        ms = round((time.monotonic() - started) * 1000, 3)
+        """Count a fenced write's decision, note it on its span and keep it for the
+        operator page."""
+        if self._tracing is not None:
+            self._tracing.decided(route, reading.job, reading.generation, current,
+                                  reading.key is not None, outcome)  # fmt: skip
+        seconds = time.monotonic() - started
+        self._metrics.decided(route.name, outcome, seconds)
+        ms = round(seconds * 1000, 3)
         return self._metrics.recent.write(
             route.name, reading.job, reading.generation, current, reading.key, outcome, status, ms
         )

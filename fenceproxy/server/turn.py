@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import JobQuarantined, Refusal, StoreError, StoreUnavailable
 from ..fence.fencing import (
@@ -46,6 +47,9 @@ from ..http.routes import Route
 from ..log import proxy_log
 from ..store import Store
 
+if TYPE_CHECKING:
+    from ..ops.tracing import Tracing
+
 __all__ = ["JobLocks", "Turn", "Turns"]
 
 _SETTLE_RETRY = 1.0
@@ -54,6 +58,7 @@ _SETTLE_AT_CLOSE = 5.0
 _BUSY_POLL_FIRST = 0.002
 _BUSY_POLL_MAX = 0.05
 _Slot = tuple[str, str]  # (job, key): a key is its job's, whatever route it came by
+_T = TypeVar("_T")
 
 
 class JobLocks:
@@ -154,9 +159,21 @@ class Turns:
     """This process's turns at its jobs, on ``store``: the per-job queue, the keyed
     writes not yet settled in the store, and the store writes retried meanwhile."""
 
-    def __init__(self, store: Store, locks: JobLocks) -> None:
+    def __init__(
+        self,
+        store: Store,
+        locks: JobLocks,
+        timed: Callable[[float], object] = lambda s: None,
+        *,
+        tracing: Tracing | None = None,
+    ) -> None:
+        """``timed`` is told each write's store part, in seconds, as its turn ends: its
+        admission (every ask) and its settlement. With ``tracing``, each admission is
+        noted on its write's span."""
         self.store = store
         self.locks = locks
+        self.timed = timed
+        self.tracing = tracing
         # Keyed writes of this process from arrival until the store has their final
         # state: a duplicate is answered at once rather than queued behind the
         # original, and a state the store could not take yet is still honoured.
@@ -268,6 +285,7 @@ class Turn:
 
     __slots__ = (
         "_held",
+        "_in_store",
         "_reserved",
         "_route",
         "_task",
@@ -285,6 +303,7 @@ class Turn:
         self._task: asyncio.Task[object] | None = None  # counted among the writes close() cuts
         self._reserved: _Slot | None = None  # the key this process marked in flight
         self._held = False  # the job's gate in this process
+        self._in_store = 0.0  # seconds spent admitting and settling it
         self.replay: StoredResponse | None = None
         self.attempt: Attempt | None = None
         self.upstream: UpstreamResponse | None = None
@@ -295,7 +314,7 @@ class Turn:
             self.replay = self._reserve()
             if self.replay is None:
                 await self._queue()
-                self.replay = await self._admit()
+                self.replay = await self._timed(self._admit())
         except BaseException:
             self._leave()
             raise
@@ -316,7 +335,8 @@ class Turn:
 
     def _leave(self) -> None:
         """Undo what entering took, in the reverse order: the job's gate, the key's
-        mark in this process, the count among the writes close() cuts."""
+        mark in this process, the count among the writes close() cuts; then its store
+        part is told."""
         turns = self._turns
         if self._held:
             self._held = False
@@ -327,6 +347,9 @@ class Turn:
         if self._task is not None:
             turns.writing.discard(self._task)
             self._task = None
+        if self._in_store:
+            turns.timed(self._in_store)
+            self._in_store = 0.0
 
     async def _hand_back(self, ending: Ending) -> None:
         """Cut an exchange in doubt before anything else, then settle the key and end
@@ -335,7 +358,15 @@ class Turn:
             if ending.cut and self.upstream is not None:
                 await self.upstream.cut()
         finally:
-            await self._turns.settle(self._write, self._route, ending)
+            await self._timed(self._turns.settle(self._write, self._route, ending))
+
+    async def _timed(self, step: Awaitable[_T]) -> _T:
+        """``step``, its time counted in this write's store part."""
+        started = time.monotonic()
+        try:
+            return await step
+        finally:
+            self._in_store += time.monotonic() - started
 
     def _writing(self) -> None:
         """Count this task among the writes close() cuts, until the turn ends."""
@@ -405,9 +436,12 @@ class Turn:
         """One admission, and the monotonic instant at or before which its in-flight
         record was dated; a refusal is raised. If the request is cancelled meanwhile,
         the store gives back what it took: nothing was sent."""
-        store, write = self._turns.store, self._write
+        store, write, tracing = self._turns.store, self._write, self._turns.tracing
+        admission = store.admit(write)
+        if tracing is not None:
+            admission = tracing.admitting(admission)
         try:
-            decision, recorded_at = await store.admit(write)
+            decision, recorded_at = await admission
         except StoreError as exc:
             proxy_log.error("store failed, refusing the write: %s", exc)
             # The store may have committed what it could not confirm (a lost reply):

@@ -22,10 +22,10 @@ The supervisor:
   (:func:`fenceproxy.ops.admin.admin_app`), on data it asks its workers for
   (:class:`WorkersData`; each worker serves its own on a Unix socket,
   :func:`fenceproxy.ops.data.data_app`): ``/metrics`` is every worker's, each sample
-  labelled ``worker="i"``; ``/healthz`` and ``/readyz`` answer 200 only when every
-  worker does, else as the first failing one; the page, ``/jobs`` and ``/events``
-  read worker 0, whose views of the store are every worker's, and ``?worker=i``
-  another.
+  labelled ``worker="i"``, and the supervisor's own count of the workers it started
+  again; ``/healthz`` and ``/readyz`` answer 200 only when every worker does, else
+  as the first failing one; the page, ``/jobs`` and ``/events`` read worker 0, whose
+  views of the store are every worker's, and ``?worker=i`` another.
 
 A worker dies with its supervisor (``PR_SET_PDEATHSIG``): a supervisor killed with
 ``kill -9`` leaves no worker holding the port.
@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..config import Config, Reader, admin_credentials, parse_listen, restart_only, tls_contexts
@@ -58,6 +58,7 @@ from ..errors import ConfigError, ListenError, RequestMalformed
 from ..log import server_log
 from ..ops.admin import admin_app, page_url
 from ..ops.data import WorkerData
+from ..ops.series import Hour
 from ..tls import reload_server
 
 __all__ = ["Seat", "WorkersData", "merge_metrics", "supervise", "worker_argv"]
@@ -104,6 +105,8 @@ class _Worker:
         self.socket = str(folder / f"worker-{index}.sock")
         self.process: asyncio.subprocess.Process | None = None
         self.started = 0.0
+        self.restarts = 0
+        """Times it died and was started again."""
         self.data = WorkerData(index, self.socket)
         """What its admin data says, asked on its socket."""
 
@@ -190,7 +193,7 @@ async def supervise(
             server_log.error("a worker could not start; stopping the others")
             return 2
         if config.admin is not None:
-            data = WorkersData([w.data for w in workers])
+            data = WorkersData([w.data for w in workers], lambda: [w.restarts for w in workers])
             app = admin_app(lambda: running[0][0], data, lambda: running[0][1])
             admin = web.AppRunner(app, access_log=None, handle_signals=False)
             await admin.setup()
@@ -241,6 +244,7 @@ async def _watch(workers: list[_Worker], stop: asyncio.Event) -> int:
                 worker.index,
                 _how(worker.process.returncode),
             )
+            worker.restarts += 1
             if time.monotonic() - worker.started < _QUICK_DEATH:
                 await asyncio.sleep(1.0)
             if not await worker.start():
@@ -261,9 +265,10 @@ def _how(code: int | None) -> str:
 # -- the admin listener ---------------------------------------------------------
 
 
-def merge_metrics(pages: Iterable[tuple[int, str]]) -> bytes:
+def merge_metrics(pages: Iterable[tuple[int, str]], *own: Metric) -> bytes:
     """Each worker's ``/metrics`` page, ``(index, text)``, as one page: every sample
-    labelled ``worker="index"``, each family's help and type said once."""
+    labelled ``worker="index"``, each family's help and type said once; then the
+    supervisor's ``own`` families."""
     families: dict[str, Metric] = {}
     for index, text in pages:
         for family in text_string_to_metric_families(text):
@@ -276,7 +281,7 @@ def merge_metrics(pages: Iterable[tuple[int, str]]) -> bytes:
                 labels = {**sample.labels, "worker": str(index)}
                 merged.samples.append(sample._replace(labels=labels))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed(list(families.values())))
+    registry.register(_Fixed([*families.values(), *own]))
     return generate_latest(registry)
 
 
@@ -294,11 +299,14 @@ class WorkersData:
     """The admin listener's data under ``workers:`` (an
     :class:`~fenceproxy.ops.data.AdminData`), asked of the workers: the metrics of
     every one, each sample labelled ``worker="i"``; the probes' answers when every
-    one answers (worker 0's), else the first failure in their order; the rest of the
-    one ``?worker=`` names, worker 0 by default."""
+    one answers (worker 0's), else the first failure in their order; the last hour's
+    series, every worker's added up; the rest of the one ``?worker=`` names, worker 0
+    by default. ``restarts`` tells how many times each worker, in order, was started
+    again."""
 
-    def __init__(self, workers: Sequence[WorkerData]) -> None:
+    def __init__(self, workers: Sequence[WorkerData], restarts: Callable[[], list[int]]) -> None:
         self._workers = list(workers)
+        self._restarts = restarts
 
     def one(self, worker: str | None) -> WorkerData:
         which = worker or "0"
@@ -310,8 +318,16 @@ class WorkersData:
 
     async def metrics(self) -> bytes:
         pages = await _every([w.metrics() for w in self._workers])
+        restarts = CounterMetricFamily(
+            "fenceproxy_worker_restarts",
+            "Times the supervisor started a worker again after it died, by worker",
+            labels=["worker"],
+        )
+        for index, count in enumerate(self._restarts()):
+            restarts.add_metric([str(index)], count)
         return merge_metrics(
-            (w.index, page.decode()) for w, page in zip(self._workers, pages, strict=True)
+            ((w.index, page.decode()) for w, page in zip(self._workers, pages, strict=True)),
+            restarts,
         )
 
     async def health(self) -> dict[str, Any]:
@@ -319,6 +335,9 @@ class WorkersData:
 
     async def ready(self) -> dict[str, Any]:
         return (await _every([w.ready() for w in self._workers]))[0]
+
+    async def series(self) -> Hour:
+        return Hour.merged(await _every([w.series() for w in self._workers]))
 
 
 async def _every(asked: list[Awaitable[_T]]) -> list[_T]:

@@ -42,6 +42,7 @@ __all__ = [
     "KeyView",
     "LeaseChange",
     "Store",
+    "StoreGauges",
     "StoreServer",
     "key_not_held",
     "to_completion",
@@ -212,6 +213,11 @@ class Store(abc.ABC):
         saying why not (for a readiness probe)."""
 
     @abc.abstractmethod
+    async def gauges(self) -> StoreGauges:
+        """What the metrics show of the store now, read when they are scraped:
+        StoreError when it fails."""
+
+    @abc.abstractmethod
     async def purge_expired(self) -> int:
         """Delete idempotency keys and in-flight records past their time; how many."""
 
@@ -283,6 +289,20 @@ class KeyView:
     status: int | None
     created_at: float
     expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoreGauges:
+    """What the metrics read of the store on each scrape."""
+
+    held: Mapping[str, int]
+    """Jobs a live in-flight record holds, by the record's state: ``in_flight`` (a
+    write at the upstream now) and ``unknown`` (a write whose outcome is unknown: the
+    job is quarantined). A job with records in both states counts in both."""
+    synchronous: bool | None = None
+    """PostgreSQL with ``?require_sync=true``: whether every commit waits for a
+    synchronous standby's flush, as that option checks it; None otherwise (SQLite, or
+    a store not asked to have a standby: a single server is not alerted on)."""
 
 
 @dataclass(slots=True)

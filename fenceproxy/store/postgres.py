@@ -63,7 +63,15 @@ from ..leases.model import (
 from ..log import store_log
 from . import rows
 from .asyncpg_errors import ERRORS, failed, first, reconnects_in_one_line
-from .base import Decision, JobView, Store, StoreServer, key_not_held, to_completion
+from .base import (
+    Decision,
+    JobView,
+    Store,
+    StoreGauges,
+    StoreServer,
+    key_not_held,
+    to_completion,
+)
 from .batch import Batches
 from .migrations import SCHEMAS, read_migrations
 from .wakes import JobWakes
@@ -419,6 +427,17 @@ class PostgresStore(Store):
         if sync is not None and (unsafe := _unsafe(sync)) is not None:
             raise StoreError(f"the PostgreSQL store {self._where} is not safe: {unsafe}")
 
+    async def gauges(self) -> StoreGauges:
+        async def read(conn: _Conn) -> StoreGauges:
+            held = await conn.fetch(_HELD, self._clock())
+            jobs = {str(state): int(jobs) for state, jobs in held}
+            if not self._require_sync:  # not asked for: no gauge, so no alert
+                return StoreGauges(jobs)
+            sync = await conn.fetchrow(_SYNC)
+            return StoreGauges(jobs, synchronous=sync is not None and _unsafe(sync) is None)
+
+        return await self._run(read, transaction=False)
+
     async def purge_expired(self) -> int:
         async def tx(conn: _Conn) -> int:
             clock = self._clock()
@@ -706,6 +725,12 @@ def _address(row: asyncpg.Record | None) -> str:
         return f"local socket, port {setting}"
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+
+# The jobs live in-flight records hold, by state, on the store's clock.
+_HELD = _sql(
+    f"WITH clock AS (SELECT {_NOW} AS now) SELECT state, count(DISTINCT job)"
+    " FROM inflight, clock WHERE expires_at > clock.now GROUP BY state"
+)
 
 # What makes a commit wait for a standby. pg_stat_replication shows each standby's
 # state only to roles with pg_read_all_stats (pg_monitor has it).

@@ -50,7 +50,7 @@ from ..leases.model import (
 )
 from ..log import store_log
 from . import rows, sqlite_errors
-from .base import Decision, JobView, Store, key_not_held
+from .base import Decision, JobView, Store, StoreGauges, key_not_held
 from .batch import Batches
 from .migrations import SCHEMAS, read_migrations
 
@@ -77,6 +77,8 @@ _LEASE_SQL = "SELECT job, owner, generation, lease_until, ttl, state FROM leases
 _IN_FLIGHT_SQL = (
     "SELECT max(expires_at), max(generation) FROM inflight WHERE job = ? AND expires_at > ?"
 )
+# The jobs live in-flight records hold, by state.
+_HELD_SQL = "SELECT state, count(DISTINCT job) FROM inflight WHERE expires_at > ? GROUP BY state"
 
 Synchronous = Literal["full", "normal"]
 
@@ -307,6 +309,13 @@ class SQLiteStore(Store):
             return int(tx.one("PRAGMA user_version", ())[0])
 
         self._check_version(self._where, await self._submit(op))
+
+    async def gauges(self) -> StoreGauges:
+        def op(tx: _Batch) -> StoreGauges:
+            held = tx.conn.execute(_HELD_SQL, (self._clock(),)).fetchall()
+            return StoreGauges({str(state): int(jobs) for state, jobs in held})
+
+        return await self._submit(op)  # type: ignore[no-any-return]
 
     async def purge_expired(self) -> int:
         def op(tx: _Batch) -> int:

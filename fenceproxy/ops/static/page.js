@@ -1,6 +1,6 @@
-// The operator page's only script: once a second, ask the admin listener for the
-// decisions after the last one shown and place the rows it renders. No framework,
-// no build step; the server escapes every value.
+// The operator page's table script (charts.js draws its charts): once a second, ask
+// the admin listener for the decisions after the last one shown and place the rows
+// it renders. No framework, no build step; the server escapes every value.
 "use strict";
 
 (() => {
@@ -40,7 +40,8 @@
         document.getElementById("timeline-empty")?.remove();
       }
       last = feed.last;
-      status.textContent = `live, updated ${new Date().toLocaleTimeString()}`;
+      // One clock on the page: UTC, 24-hour, as the rows' times.
+      status.textContent = `live, updated ${new Date().toISOString().slice(11, 19)} UTC`;
       status.className = "live";
     } catch (error) {
       status.textContent = `not updating: ${error.message}`;
