@@ -129,6 +129,20 @@ def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
     assert firing | quiet <= set(alerts())
 
 
+def test_every_rule_reads_series_recorded_before_it_in_its_group() -> None:
+    """An alert says what this evaluation's series say: Prometheus runs a group's
+    rules in order and groups side by side, so a rule reading a series recorded in
+    another group (or later in its own) would read it as of this evaluation or the
+    one before, whichever ran first, and fire or read its value a minute late."""
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        recorded: set[str] = set()
+        for rule in group["rules"]:
+            name = rule.get("record") or rule["alert"]
+            assert set(RECORDED.findall(rule["expr"])) <= recorded, name
+            if "record" in rule:
+                recorded.add(rule["record"])
+
+
 def test_every_alert_has_a_runbook_paragraph() -> None:
     """Whoever is paged reads what the alert means and what to do: each alert has a
     summary, a description and a runbook_url pointing at its own paragraph in

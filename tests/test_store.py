@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import random
+import signal
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -956,3 +958,64 @@ async def test_a_scrape_reads_the_jobs_held_and_whether_the_store_answers(
     assert await scraped() == {"fenceproxy_store_up": 1, "in_flight": 0, "unknown": 0}
     await store.close()
     assert await scraped() == {"fenceproxy_store_up": 0}
+
+
+async def _a_session_waits_for_a_lock(conn: asyncpg.Connection) -> None:
+    """Poll until one of the server's sessions waits for a lock."""
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    async with asyncio.timeout(10):
+        while not await conn.fetchval(waiting):
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
+async def test_scrapes_that_come_together_on_a_slow_store_take_one_connection(
+    store_url: str,
+) -> None:
+    """However many scrapes come at once while the store is slow (here, a lock its
+    read waits for), they share one read, on one connection of the pool: the writes
+    and the probes keep the rest, and are not held up behind the scrapes."""
+    store = await open_store(f"{store_url}?pool=3", key_ttl=60)
+    metrics = Metrics()
+    blocker = await asyncpg.connect(store_url)
+    try:
+        async with blocker.transaction():
+            await blocker.execute("LOCK TABLE inflight IN ACCESS EXCLUSIVE MODE")
+            scrapes = [asyncio.create_task(metrics.store.read(store)) for _ in range(10)]
+            await _a_session_waits_for_a_lock(blocker)
+            async with asyncio.timeout(1.0):  # the scrapes wait 2 s for their read
+                await store.check()
+        await asyncio.gather(*scrapes)
+        assert samples(metrics.render().decode())[("fenceproxy_store_up", ())] == 1
+    finally:
+        await blocker.close()
+        await store.close()
+
+
+@pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
+async def test_a_scrape_of_a_hung_store_says_it_is_down_within_two_seconds(
+    store_url: str,
+) -> None:
+    """A store whose server hangs (its process stopped, as a host that stops
+    answering) is down for the scrape after 2 s, not after the seconds that cutting
+    the read takes: Prometheus, whose scrape would time out, reads
+    fenceproxy_store_up 0 and the store-down alert fires."""
+    store = await open_store(f"{store_url}?pool=1&application_name=hung", key_ttl=60)
+    metrics = Metrics()
+    await metrics.store.read(store)  # the pool's one connection, open
+    conn = await asyncpg.connect(store_url)
+    try:
+        backends = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'hung'"
+        )
+    finally:
+        await conn.close()
+    ((pid,),) = backends
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with asyncio.timeout(2.5):
+            await metrics.store.read(store)
+        assert samples(metrics.render().decode())[("fenceproxy_store_up", ())] == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await store.close()

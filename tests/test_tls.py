@@ -736,6 +736,7 @@ async def test_postgresql_that_cannot_be_verified_or_reached_in_clear_stops_the_
 ROUTES = [{"name": "b", "path": "/b/", "upstream": "http://127.0.0.1:9"}]
 SECRETS = {"clients": [{"name": "ops", "env": "FP_OPS"}]}
 SIGNING = {"keys": [{"id": "k1", "env": "FP_KEY"}]}
+COLLECTOR = {"endpoint": "http://127.0.0.1:4318", "headers": {"Authorization": {"env": "FP_OTLP"}}}
 
 
 @pytest.mark.parametrize(
@@ -748,8 +749,9 @@ SIGNING = {"keys": [{"id": "k1", "env": "FP_KEY"}]}
             "admin_tls",
         ),
         ({"leases": {"clients": [{"name": "a", "subject": "CN=a"}]}}, "tls.client_ca"),
+        ({"tracing": {**COLLECTOR, "endpoint": "http://10.0.0.7:4318"}}, "tracing.endpoint"),
     ],
-    ids=["lease-secrets", "signed-tokens", "admin-secrets", "subject-without-ca"],
+    ids=["lease-secrets", "signed-tokens", "admin-secrets", "subject-without-ca", "collector"],
 )
 def test_credentials_in_clear_beyond_loopback_are_refused(top: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as refused:
@@ -758,6 +760,10 @@ def test_credentials_in_clear_beyond_loopback_are_refused(top: dict[str, Any], k
     if key != "tls.client_ca":  # a network the operator trusts, said in so many words
         parse_config({"routes": ROUTES, **top, "allow_plaintext": True}, "f.yaml")
         on_loopback = {k: v for k, v in top.items() if k not in ("listen", "admin")}
+        if "tracing" in top:  # or over TLS
+            on_loopback["tracing"] = COLLECTOR
+            https = {**COLLECTOR, "endpoint": "https://10.0.0.7:4318"}
+            parse_config({"routes": ROUTES, "tracing": https}, "f.yaml")
         parse_config({"routes": ROUTES, **on_loopback}, "f.yaml")
 
 

@@ -28,7 +28,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from fenceproxy.config import load_config
 from fenceproxy.errors import ConfigError
 from fenceproxy.ops.tracing import ATTRIBUTES
-from fenceproxy.testing import RawUpstream, RecordingUpstream, eventually, free_port
+from fenceproxy.testing import (
+    ProxyProcess,
+    RawUpstream,
+    RecordingUpstream,
+    eventually,
+    free_port,
+)
 
 from .conftest import ProxyFactory, fenced, raw_request, running
 
@@ -248,13 +254,14 @@ async def test_a_request_s_own_traceparent_decides_whether_it_is_recorded(
     assert (second[1], second[3]) == (WORKER_TRACE, "01")
 
 
-async def test_a_collector_that_cannot_be_reached_costs_no_write_and_one_log_line(
-    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
-) -> None:
-    """Every write still goes through while each export fails, and the proxy's log
-    says so once, however many exports failed (at most once a minute)."""
+# An export every 20 ms, each given up after 0.1 s: dozens fail in a second.
+FAILING_FAST = {"OTEL_BSP_SCHEDULE_DELAY": "20", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0.1"}
+
+
+def traced_to_nobody(tmp_path: Path, upstream: RecordingUpstream) -> tuple[Path, str]:
+    """A proxy's config whose traces go where nothing listens, and that endpoint."""
     config = tmp_path / "proxy.yaml"
-    nobody = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens there
+    nobody = f"http://127.0.0.1:{free_port()}/v1/traces"
     config.write_text(
         yaml.safe_dump({
             "store": f"sqlite:///{tmp_path / 'fences.db'}",
@@ -262,9 +269,22 @@ async def test_a_collector_that_cannot_be_reached_costs_no_write_and_one_log_lin
             "routes": [{"name": "billing", "path": "/billing/", "upstream": upstream.url}],
         })
     )  # fmt: skip
-    # An export every 20 ms, each given up after 0.1 s: dozens fail in the window.
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "20", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0.1"}
-    async with running(config, env=env) as proxy:
+    return config, nobody
+
+
+def told_of_traces(proxy: ProxyProcess) -> list[str]:
+    """The proxy's log lines about its traces, its own and OpenTelemetry's."""
+    lines = proxy.output().splitlines()
+    return [line for line in lines if "fenceproxy.tracing" in line or " opentelemetry" in line]
+
+
+async def test_a_collector_that_cannot_be_reached_costs_no_write_and_one_log_line(
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Every write still goes through while each export fails, and the proxy's log
+    says so once, however many exports failed (at most once a minute)."""
+    config, nobody = traced_to_nobody(tmp_path, upstream)
+    async with running(config, env=FAILING_FAST) as proxy:
         ends = time.monotonic() + 1.5
         generation = 0
         while time.monotonic() < ends:
@@ -275,13 +295,36 @@ async def test_a_collector_that_cannot_be_reached_costs_no_write_and_one_log_lin
             await asyncio.sleep(0.01)
         assert len(upstream.received) == generation
         await eventually(lambda: "fenceproxy.tracing" in proxy.output())
-        told = [
-            line
-            for line in proxy.output().splitlines()
-            if "fenceproxy.tracing" in line or " opentelemetry" in line
-        ]
+        told = told_of_traces(proxy)
     assert len(told) == 1, told
     assert f"traces to {nobody}: " in told[0]
+
+
+async def test_a_client_s_malformed_trace_context_is_never_logged(
+    tmp_path: Path, upstream: RecordingUpstream, http: aiohttp.ClientSession
+) -> None:
+    """A trace context that does not parse starts a trace of the proxy's own, and its
+    text never reaches the log (a client's header is never echoed there), nor takes
+    the log's one line a minute about the traces: a collector that cannot be reached
+    is still told."""
+    config, nobody = traced_to_nobody(tmp_path, upstream)
+    async with running(config, env=FAILING_FAST) as proxy:
+        for generation, traceparent in enumerate((SAMPLED, "00-forged-by-a-client-01"), 1):
+            headers = {
+                "Fencing-Job": "j",
+                "Fencing-Token": str(generation),
+                "traceparent": traceparent,
+                "tracestate": "Forged-By-A-Client=1",
+            }
+            async with http.post(f"{proxy.url}/billing/a", headers=headers) as answer:
+                assert answer.status == 200
+        await eventually(lambda: "fenceproxy.tracing" in proxy.output())
+        told = told_of_traces(proxy)
+        output = proxy.output()
+    assert len(told) == 1, told
+    assert f"traces to {nobody}: " in told[0]
+    assert "export" in told[0].lower(), told
+    assert "forged" not in output.lower()
 
 
 async def test_a_reload_keeps_where_traces_go_and_says_so_without_its_secrets(
@@ -335,24 +378,45 @@ def test_tracing_without_the_extra_is_a_config_error_naming_the_extra(tmp_path: 
     assert "Traceback" not in done.stderr
 
 
+def refused_headers(config: Path, headers: dict[str, Any]) -> list[str]:
+    """The lines of the ConfigError that loading ``config``, written with ``headers``
+    for the collector, raises."""
+    config.write_text(
+        yaml.safe_dump({
+            "tracing": {"headers": headers},
+            "routes": [{"name": "a", "path": "/a/", "upstream": "http://127.0.0.1:9"}],
+        })
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        load_config(config)
+    return refused.value.lines
+
+
 def test_a_header_secret_that_cannot_be_read_is_a_config_error_naming_its_key(
     tmp_path: Path,
 ) -> None:
     """A collector's credential read from the environment or a file must be there when
     the file is loaded: the error names the header's key, as every secret's does."""
     config = tmp_path / "proxy.yaml"
-    config.write_text(
-        yaml.safe_dump({
-            "tracing": {"headers": {"Authorization": {"env": "FENCEPROXY_TEST_UNSET"},
-                                    "X-Key": {"file": "missing.txt"}}},
-            "routes": [{"name": "a", "path": "/a/", "upstream": "http://127.0.0.1:9"}],
-        })
-    )  # fmt: skip
-    with pytest.raises(ConfigError) as refused:
-        load_config(config)
-    assert refused.value.lines == [
+    headers = {"Authorization": {"env": "FENCEPROXY_TEST_UNSET"}, "X-Key": {"file": "missing.txt"}}
+    assert refused_headers(config, headers) == [
         f"{config}: tracing.headers.Authorization.env: the environment variable "
         "FENCEPROXY_TEST_UNSET is not set",
         f"{config}: tracing.headers.X-Key.file: cannot read {tmp_path / 'missing.txt'}: "
         f"[Errno 2] No such file or directory: '{tmp_path / 'missing.txt'}'",
+    ]
+
+
+@pytest.mark.parametrize("value", [" Bearer s3cret", "Bearer s3cret "])
+def test_a_header_value_the_export_could_not_send_is_a_config_error(
+    tmp_path: Path, value: str
+) -> None:
+    """A collector's header written with a space at either end is refused when the
+    file is loaded, naming the header and never its value. HTTP strips such spaces;
+    sent with a leading one, every export would fail at run time, the failure quoting
+    the credential in the log."""
+    config = tmp_path / "proxy.yaml"
+    assert refused_headers(config, {"Authorization": value}) == [
+        f"{config}: tracing.headers: Authorization: a header value is printable ASCII "
+        "on one line, without spaces at either end"
     ]

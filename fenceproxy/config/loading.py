@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from yarl import URL
 
 from ..errors import ConfigError
 from ..spool import SpoolFolder, default_folder
@@ -38,8 +39,9 @@ S = TypeVar("S", bound=SecretSpec)
 def _in_clear(config: Config) -> list[tuple[str, str]]:
     """What of ``config`` would cross a network in clear, by the key that would mend
     it: credentials and tokens that let their bearer act as someone, on a listener
-    beyond loopback without TLS, unless ``allow_plaintext`` says the network is
-    trusted; and a lease client named by a certificate without a CA to verify it."""
+    beyond loopback without TLS or sent to a collector beyond loopback over plain
+    HTTP, unless ``allow_plaintext`` says the network is trusted; and a lease client
+    named by a certificate without a CA to verify it."""
     problems = []
     leases = config.leases
     named = leases is not None and any(c.subject is not None for c in leases.clients)
@@ -63,6 +65,16 @@ def _in_clear(config: Config) -> list[tuple[str, str]]:
             "give tls (a certificate and its key), listen on loopback, or set "
             "allow_plaintext: true for a network you trust",
         ))  # fmt: skip
+    tracing = config.tracing
+    if tracing is not None and any(isinstance(v, SecretSpec) for v in tracing.headers.values()):
+        collector = URL(tracing.endpoint)
+        if collector.scheme == "http" and not is_loopback(collector.host or ""):
+            problems.append((
+                "tracing.endpoint",
+                f"the collector's credentials (tracing.headers) would cross the network in "
+                f"clear to {collector.host}: give an https:// endpoint, a collector on "
+                "loopback, or set allow_plaintext: true for a network you trust",
+            ))  # fmt: skip
     admin = config.admin
     bare = admin is not None and config.admin_clients and config.admin_tls is None
     if bare and admin is not None and not is_loopback(parse_listen(admin)[0]):

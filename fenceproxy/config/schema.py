@@ -436,9 +436,13 @@ class SigningSpec(_Model):
 
 
 def header_value(value: str) -> str:
-    """A field value as it goes on the wire: printable ASCII, on one line."""
-    if not re.fullmatch(r"[\x20-\x7e]*", value, re.ASCII):
-        raise ValueError("a header value is printable ASCII on one line")
+    """A field value as it goes on the wire: printable ASCII, on one line, without
+    spaces at either end (which HTTP strips, and the OTLP exporter's client refuses
+    at each export, quoting the value in its error)."""
+    if not re.fullmatch(r"([\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?)?", value, re.ASCII):
+        raise ValueError(
+            "a header value is printable ASCII on one line, without spaces at either end"
+        )
     return value
 
 

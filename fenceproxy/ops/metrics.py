@@ -183,16 +183,30 @@ class _StoreMetrics:
         """The open store's :attr:`~fenceproxy.store.base.Store.server`."""
         self._scraped = False
         self._gauges: StoreGauges | None = None
+        self._reading: asyncio.Task[StoreGauges] | None = None
 
     async def read(self, store: Store) -> None:
         """Read the store's gauges for the scrape about to be rendered. A store that
-        fails, or takes longer than ``_STORE_READ_WAIT``, is down for this scrape."""
+        fails, or takes longer than ``_STORE_READ_WAIT``, is down for this scrape,
+        which waits no longer. Scrapes that come while a read is under way wait for
+        that one: however many come at once, the store serves one read at a time (one
+        connection of PostgreSQL's pool, one operation in SQLite's queue), and the
+        writes keep the rest."""
         self._scraped = True
+        reading = self._reading
+        if reading is None:
+            reading = self._reading = asyncio.create_task(_gauges(store))
+            reading.add_done_callback(self._read_done)
         try:
             async with asyncio.timeout(_STORE_READ_WAIT):
-                self._gauges = await store.gauges()
+                self._gauges = await asyncio.shield(reading)
         except (StoreError, TimeoutError):
             self._gauges = None
+
+    def _read_done(self, reading: asyncio.Task[StoreGauges]) -> None:
+        self._reading = None
+        if not reading.cancelled():
+            reading.exception()  # told to the scrapes that waited, if any still did
 
     def describe(self) -> list[Metric]:
         return []  # collected only when scraped, once the store is open
@@ -247,6 +261,14 @@ class _StoreMetrics:
                 "synchronous standby (as that option checks), else 0",
                 value=int(gauges.synchronous),
             )
+
+
+async def _gauges(store: Store) -> StoreGauges:
+    """The store's gauges, the read cut after ``_STORE_READ_WAIT``. What cutting it
+    takes (on PostgreSQL a cancel request, and the connection's clean-up: seconds when
+    the server hangs) is spent here, outside any scrape's wait."""
+    async with asyncio.timeout(_STORE_READ_WAIT):
+        return await store.gauges()
 
 
 class _CertificateEnds:

@@ -87,6 +87,9 @@ _TRACE_FIELDS = (b"traceparent", b"tracestate")
 _FLUSH_AT_CLOSE = 3.0
 # What OpenTelemetry logs, at most once in this many seconds.
 _TOLD_EVERY = 60.0
+# Its loggers that speak of a request's own trace context, one that does not parse
+# (the request's trace is then the proxy's own): they quote the client's header.
+_CLIENTS_OWN = ("opentelemetry.trace.span", "opentelemetry.trace.propagation")
 
 
 class Tracing:
@@ -322,7 +325,9 @@ class _Gate(logging.Handler):
     """Everything OpenTelemetry logs, held back: one line a minute at most on
     ``fenceproxy.tracing``, the first that came in the minute, saying how many were
     held back since the last. Installed on the ``opentelemetry`` logger, whose lines no
-    longer reach the root's handlers, while any :class:`Tracing` is open."""
+    longer reach the root's handlers, while any :class:`Tracing` is open. What it says
+    of a client's trace context is dropped: a client's header is never echoed into the
+    log, nor can a client take the minute's line from a collector that fails."""
 
     _installed: _Gate | None = None
     _users = 0
@@ -353,6 +358,8 @@ class _Gate(logging.Handler):
             cls._installed = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(_CLIENTS_OWN):
+            return
         now = time.monotonic()
         if self._told_at is not None and now - self._told_at < _TOLD_EVERY:
             self._held += 1
