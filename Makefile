@@ -130,7 +130,8 @@ quick: lint $(STAMP) servers
 ## benchmark's load generator, curl, a client the listener is driven with (TLS,
 ## 100 Continue), rclone, whose recipes (docs/tools.md) are tested against S3 and
 ## WebDAV, chromium with its driver, the browser the operator page is tested in, and
-## prometheus (with promtool), which checks and runs the alerting rules.
+## prometheus (with promtool), which checks and runs the alerting rules, and strace,
+## which counts the benchmark's system calls (bench/syscalls.py).
 servers:
 	@missing=""; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
@@ -144,6 +145,7 @@ servers:
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v strace >/dev/null 2>&1 || missing="$$missing strace"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing$$missing from Debian's packages"; \

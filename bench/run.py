@@ -689,6 +689,13 @@ def said(n: int, setup: Setup, run: dict[str, float]) -> str:
     )
 
 
+def all_2xx(failed: list[str]) -> bool:
+    """Whether every setup answered 2xx only; the ``failed`` ones are said on stderr."""
+    if failed:
+        print(f"\nnot every answer was 2xx: {', '.join(failed)}", file=sys.stderr)
+    return not failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -725,9 +732,7 @@ def main() -> int:
                     indent=2,
                 )
             )
-    failed = [s.name for s in table if any(run["failed"] for run in s.runs)]
-    if failed:
-        print(f"\nnot every answer was 2xx: {', '.join(failed)}", file=sys.stderr)
+    if not all_2xx([s.name for s in table if any(run["failed"] for run in s.runs)]):
         return 1
     if missed:
         print(f"\n{len(missed)} target(s) missed", file=sys.stderr)

@@ -32,6 +32,7 @@ from run import (
     Load,
     Processes,
     Setup,
+    all_2xx,
     free_port,
     measure,
     proxy_config,
@@ -127,11 +128,7 @@ def report(this: Setup, base: Setup, args: argparse.Namespace) -> int:
     if args.json:
         figures = {s.name: s.runs for s in (this, base)}
         Path(args.json).write_text(json.dumps({**figures, "ratio": ratio}, indent=2))
-    failed = [s.name for s in (this, base) if any(r["failed"] for r in s.runs)]
-    if failed:
-        print(f"\nnot every answer was 2xx: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return 0 if all_2xx([s.name for s in (this, base) if any(r["failed"] for r in s.runs)]) else 1
 
 
 if __name__ == "__main__":

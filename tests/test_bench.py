@@ -113,3 +113,39 @@ def test_the_tracing_cost_check_runs_this_tree_against_a_revision(tmp_path: Path
     )
     assert runs["ratio"] == pytest.approx(ratio)
     assert re.search(r"^(PASS|MISS) +tracing off, CPU/request vs the baseline", result.stdout, re.M)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    shutil.which("wrk") is None or shutil.which("strace") is None or NGINX is None,
+    reason="wrk, strace or nginx missing",
+)
+def test_the_syscall_count_divides_each_servers_calls_by_its_requests(tmp_path: Path) -> None:
+    """``bench/syscalls.py`` counts every thread of each server under load (a fenced
+    write's commit syncs on the store's thread) and gives the calls per request, and
+    each setup's against nginx's."""
+    figures = tmp_path / "syscalls.json"
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "bench" / "syscalls.py"), "--seconds", "1",
+            "--warmup", "0", "--json", str(figures),
+        ],
+        capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads(figures.read_text())
+    assert list(runs) == ["nginx", "pass-through", "fenced"]
+    for name, run in runs.items():
+        assert run["requests"] > 10, name  # served at all: a second on a loaded machine
+        assert run["failed"] == 0, name
+        calls = run["calls"]
+        # Two reads and two writes a request at the least: the client's and the upstream's.
+        assert run["total_per_request"] >= 4 * 0.9, name
+        assert run["total_per_request"] == pytest.approx(sum(calls.values()) / run["requests"])
+        assert run["vs_nginx"] == pytest.approx(
+            run["total_per_request"] / runs["nginx"]["total_per_request"]
+        )
+    # A fenced write is on disk before it is forwarded; a pass-through never syncs.
+    assert runs["fenced"]["calls"].get("fdatasync", 0) > 0
+    assert "fdatasync" not in runs["pass-through"]["calls"]
+    assert re.search(r"^fenced: [0-9.]+ per request \(.*x nginx's\)$", result.stdout, re.M)

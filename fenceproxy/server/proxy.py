@@ -135,7 +135,10 @@ class Proxy:
         tracing: Tracing | None = None,
     ) -> None:
         """Every fenced write's outcome is counted in ``metrics``, and noted on its span
-        with ``tracing``; ``locks`` queue this process's writes of each job."""
+        with ``tracing``; ``locks`` queue this process's writes of each job. Made on
+        the event loop the requests are served on."""
+        # Kept: asyncio.timeout() looks the loop up again, a getpid() system call each time.
+        self._loop = asyncio.get_running_loop()
         self._metrics = metrics
         self._tracing = tracing
         self._bodies = bodies
@@ -277,7 +280,7 @@ class Proxy:
         keyed, body, whole = out.write.key is not None, b"", True
         try:
             with self._metrics.in_flight.track_inprogress():
-                async with asyncio.timeout(attempt.timeout):
+                async with asyncio.timeout_at(self._loop.time() + attempt.timeout):
                     upstream = turn.upstream = await self._upstreams.send(
                         route, out.method, out.target, out.fields, out.body.payload(),
                         host=out.host, length=out.body.size,

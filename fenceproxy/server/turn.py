@@ -169,7 +169,9 @@ class Turns:
     ) -> None:
         """``timed`` is told each write's store part, in seconds, as its turn ends: its
         admission (every ask) and its settlement. With ``tracing``, each admission is
-        noted on its write's span."""
+        noted on its write's span. Made on the event loop its writes run on."""
+        # Looked up once: asyncio.get_running_loop() is a getpid() system call each time.
+        self.loop = asyncio.get_running_loop()
         self.store = store
         self.locks = locks
         self.timed = timed
@@ -370,7 +372,7 @@ class Turn:
 
     def _writing(self) -> None:
         """Count this task among the writes close() cuts, until the turn ends."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._turns.loop)
         assert task is not None
         self._turns.writing.add(task)
         self._task = task

@@ -29,18 +29,20 @@ class Batches(Generic[Op]):
     outcome per operation, in order (an exception instance is raised to its caller)."""
 
     def __init__(self, run: Callable[[list[Op]], Awaitable[list[Outcome]]], *, name: str) -> None:
+        # Looked up once: asyncio.get_running_loop() is a getpid() system call each time.
+        self._loop = asyncio.get_running_loop()
         self._run = run
         self._pending: list[tuple[Op, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
         self._closing = False
-        self._runner = asyncio.create_task(self._drain(), name=name)
+        self._runner = self._loop.create_task(self._drain(), name=name)
 
     def submit(self, op: Op) -> asyncio.Future[Any]:
         """Queue ``op`` for the next batch; its outcome, once the batch is over.
         StoreError at once when the queue is closed or its runner stopped."""
         if self._closing or self._runner.done():
             raise StoreError("the store is closed")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = self._loop.create_future()
         self._pending.append((op, future))
         self._wake.set()
         return future
