@@ -26,8 +26,7 @@ from .errors import (
 )
 from .jobs_cli import add_jobs_parser, run_jobs
 from .log import access_log, configure_logging, server_log
-from .run_cli import USAGE, add_run_parser, run_spec, run_under_lease
-from .units import parse_duration
+from .run_cli import USAGE, add_run_parser, run_spec, run_under_lease, ttl
 
 if TYPE_CHECKING:
     from .config import Config
@@ -37,17 +36,6 @@ if TYPE_CHECKING:
 _SERVER_COMMANDS = frozenset({"serve", "check-config", "migrate", "demo", "stand-in", "chaos"})
 
 __all__ = ["main"]
-
-
-def _duration(text: str) -> float:
-    """A ``--ttl`` as the config takes it: ``30``, ``30s``, ``500ms``, ``5m``."""
-    try:
-        seconds = parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError("must be above 0")
-    return seconds
 
 
 def _config_argument(command: argparse.ArgumentParser) -> None:
@@ -157,10 +145,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     lease.add_argument("--token-file", metavar="FILE", help="a file holding the credential")
     lease.add_argument("--generation", type=int, help="the lease's generation (renew, ...)")
     lease.add_argument(
-        "--ttl", type=_duration, help="how long the lease lasts: 30, 30s, 500ms, 5m (claim, renew)"
+        "--ttl", type=ttl, help="how long the lease lasts: 30, 30s, 500ms, 5m (claim, renew)"
     )
     add_jobs_parser(commands)
-    add_run_parser(commands, _duration)
+    add_run_parser(commands)
     return parser, dict(commands.choices)
 
 

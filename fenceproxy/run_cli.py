@@ -33,7 +33,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +53,11 @@ __all__ = [
     "USAGE",
     "RunSpec",
     "add_run_parser",
+    "duration",
     "environment",
     "run_spec",
     "run_under_lease",
+    "ttl",
 ]
 
 # run's own exit codes (docs/workers.md has the table): sysexits' where one fits, and
@@ -75,16 +77,25 @@ _PREFIX = "fenceproxy run:"
 _CREDENTIAL = "FENCEPROXY_LEASE_TOKEN"
 
 
-def _duration(text: str) -> float:
-    """A ``--wait`` or ``--grace`` (0 allowed) as ``--ttl`` takes durations."""
+def duration(text: str) -> float:
+    """A duration option as the config takes durations: ``30``, ``30s``, ``500ms``,
+    ``5m`` (0 allowed: a ``--wait`` or ``--grace``)."""
     try:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_run_parser(commands: Any, ttl: Callable[[str], float]) -> None:
-    """``run``'s parser, among ``commands``; ``ttl`` reads a ``--ttl`` (above 0)."""
+def ttl(text: str) -> float:
+    """A ``--ttl``: a duration above 0."""
+    seconds = duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("must be above 0")
+    return seconds
+
+
+def add_run_parser(commands: Any) -> None:
+    """``run``'s parser, among ``commands``."""
     run = commands.add_parser(
         "run",
         usage="%(prog)s JOB [--url URL] [--prefix P] [--owner NAME] [--token-file FILE] "
@@ -120,14 +131,14 @@ def add_run_parser(commands: Any, ttl: Callable[[str], float]) -> None:
     )
     run.add_argument(
         "--wait",
-        type=_duration,
+        type=duration,
         default=0.0,
         metavar="D",
         help="wait this long for a job another worker holds (default 0)",
     )
     run.add_argument(
         "--grace",
-        type=_duration,
+        type=duration,
         default=GRACE,
         metavar="D",
         help=f"from SIGTERM to SIGKILL once the lease is lost (default {GRACE:g}s)",

@@ -12,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from fenceproxy import cli
+from fenceproxy.run_cli import USAGE
 
 from .conftest import ProxyFactory, fenced
 
@@ -57,6 +58,24 @@ def test_a_mistake_shows_the_usage_of_its_own_command(capsys: pytest.CaptureFixt
     assert err.endswith("fenceproxy lease: error: lease renew needs --generation\n")
     err = usage_error(capsys, "jobs", "show")
     assert err.startswith("usage: fenceproxy jobs ")
+
+
+def test_a_ttl_is_above_zero_where_a_wait_or_grace_may_be_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A lease of no time is a usage error, for ``lease`` and ``run`` alike (``run``
+    exits with its own usage code); ``run``'s ``--wait`` and ``--grace`` take 0 (do
+    not wait; kill at once), and a duration that is not one is refused under its own
+    option."""
+    assert "error: argument --ttl: must be above 0" in usage_error(
+        capsys, "lease", "claim", "j", "--ttl", "0s"
+    )
+    assert cli.main(["run", "j", "--ttl", "0s", "--", "true"]) == USAGE
+    assert "error: argument --ttl: must be above 0" in capsys.readouterr().err
+    assert cli.main(["run", "j", "--grace", "soon", "--", "true"]) == USAGE
+    assert "error: argument --grace: expected seconds or a duration" in capsys.readouterr().err
+    args = cli._parser()[0].parse_args(["run", "j", "--wait", "0", "--grace", "0ms", "--", "true"])
+    assert (args.wait, args.grace) == (0.0, 0.0)
 
 
 def test_a_url_without_a_scheme_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
