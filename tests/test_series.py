@@ -145,6 +145,34 @@ def test_the_hours_of_several_processes_add_up() -> None:
     assert count(hours[0].drawn(START + STEP - 1), "decisions", "forwarded") == 3
 
 
+def test_a_clock_stepping_back_adds_into_the_bucket_it_comes_back_to() -> None:
+    """A process whose wall clock steps back (NTP, a VM resumed) records into a bucket
+    it had left: the page draws that interval once, its counts added up, whether
+    drawn here or after crossing a worker's socket."""
+    clock = FakeClock(START)
+    series = Series(clock)
+    series.decision("forwarded", 0.001)
+    clock.advance(STEP)
+    series.decision("forwarded", 0.001)
+    clock.advance(-STEP)  # back into the first bucket
+    series.decision("stale-generation", 0.1)
+    series.batch(4)
+    for hour in (series.hour(), Hour.from_json(json.loads(json.dumps(series.hour().json())))):
+        drawn = hour.drawn(START + 2 * STEP - 1)
+        first = drawn["at"].index(START)
+
+        assert counted(drawn, "decisions", "forwarded", first) == 1
+        assert counted(drawn, "refusals", "stale-generation", first) == 1
+        assert drawn["batches"]["largest"][first] == 4
+        assert counted(drawn, "decisions", "forwarded", first + 1) == 1
+        assert counted(drawn, "decisions", "refused", first + 1) == 0
+
+
+def counted(drawn: dict[str, Any], kind: str, outcome: str, i: int) -> int:
+    """How many ``outcome`` bucket ``i`` holds: its rate times the seconds seen."""
+    return round(drawn[kind][outcome][i] * drawn["seen"][i])
+
+
 def timed(hour: Hour, part: str) -> list[float]:
     """Each time recorded of ``part`` as its bin's upper bound, the longest last."""
     return sorted(

@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 __all__ = ["BINS", "BOUNDS", "KEPT", "STEP", "Hour", "Series"]
@@ -134,13 +135,13 @@ class Series:
     def hour(self) -> Hour:
         """What is kept, to be merged or drawn (the buckets are shared, not copied:
         read it at once)."""
-        return Hour(self._since, list(self._buckets))
+        return Hour(self._since, _one_per_index(self._buckets))
 
 
 @dataclass(frozen=True, slots=True)
 class Hour:
     """Buckets of one process or several (``since``: when the first of them started),
-    as the page's charts read them (:meth:`drawn`)."""
+    as the page's charts read them (:meth:`drawn`): one bucket per index, in order."""
 
     since: float
     buckets: list[_Bucket]
@@ -150,7 +151,8 @@ class Hour:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Hour:
-        return cls(float(data["since"]), [_Bucket.from_json(b) for b in data["buckets"]])
+        buckets = [_Bucket.from_json(b) for b in data["buckets"]]
+        return cls(float(data["since"]), _one_per_index(buckets))
 
     @classmethod
     def merged(cls, hours: Iterable[Hour]) -> Hour:
@@ -170,7 +172,7 @@ class Hour:
         where there were none."""
         current = int(now // STEP)
         indexes = range(current - KEPT + 1, current + 1)
-        found = {b.index: b for b in _summed(self.buckets)}
+        found = {b.index: b for b in self.buckets}
         empty = _Bucket(-1)
         rows = [found.get(i, empty) for i in indexes]
         seen = [_seen(i * STEP, now, self.since) for i in indexes]
@@ -210,6 +212,16 @@ def _rates(counts: list[int], seen: list[float | None]) -> list[float | None]:
     return [
         None if span is None else round(n / span, 4) for n, span in zip(counts, seen, strict=True)
     ]
+
+
+def _one_per_index(buckets: Iterable[_Bucket]) -> list[_Bucket]:
+    """``buckets`` as they are when each index comes once, in order, as one process
+    records them; summed (:func:`_summed`) where the clock stepped back and an index
+    came again."""
+    buckets = list(buckets)
+    if all(a.index < b.index for a, b in pairwise(buckets)):
+        return buckets
+    return _summed(buckets)
 
 
 def _summed(buckets: Iterable[_Bucket]) -> list[_Bucket]:
