@@ -385,6 +385,7 @@ async def test_a_worker_in_another_language_stops_the_moment_its_lease_is_lost(
     answer = upstream.hold()  # the write reaches the API, and waits there for its answer
     try:
         running = await worker(job, "--writes", "3", "--ttl", "3")
+        await running.until("claimed")  # a JVM starting on a loaded machine takes its time
         [write] = await upstream.wait_for(1)
         released = await lease_call(proxy, job, "release", owner=f"{job}-worker",
                                     generation=write.generation)  # fmt: skip
