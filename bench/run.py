@@ -645,10 +645,12 @@ TARGETS = [
     Target("workers: 2 pass-through vs nginx w2", "w2 pass-through", "nginx w2", "rps"),
     Target("1M jobs req/s >= 0.8x 1k jobs", "fenced, 1M jobs", "fenced", "rps", ">=", 0.8),
     Target("a key's CPU <= 1.3x fenced", "keys", "fenced", "cpu_us", "<=", 1.3),
+    Target("keys req/s vs fenced", "keys", "fenced", "rps"),
     Target("raising req/s >= 0.35x direct", "raising", "direct", "rps", ">=", 0.35),
     # PostgreSQL: the proxy and the database share core 0, as the proxy alone does
     # on SQLite; CPU per write counts both.
     Target("pg fenced req/s >= 0.7x SQLite's", "pg fenced", "fenced", "rps", ">=", 0.7),
+    Target("pg raising req/s >= 0.7x SQLite's", "pg raising", "raising", "rps", ">=", 0.7),
     Target("pg fenced req/s >= 0.5x pgbench's", "pg fenced", "pgbench", "rps", ">=", 0.5),
     Target("pg 1M jobs req/s >= 0.8x 1k jobs", "pg fenced, 1M jobs", "pg fenced", "rps", ">=", 0.8),
     Target("pg fenced CPU/write <= 2x SQLite's", "pg fenced", "fenced", "cpu_us", "<=", 2.0),

@@ -45,12 +45,15 @@ class FaultyStore(SQLiteStore):
             raise StoreError("connection lost waiting for COMMIT's reply (injected)")
         return admitted
 
-    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
-        await self._maybe_wait("complete_key")
-        if self.fail_complete:
-            self.fail_complete -= 1
-            raise StoreError("disk I/O error (injected)")
-        await super().complete_key(write, response)
+    async def end_turn(
+        self, write: FencedWrite, *, unknown_for: float | None = None, key: Any = None
+    ) -> None:
+        if isinstance(key, StoredResponse):  # a keyed write's answer, and its record's end
+            await self._maybe_wait("complete_key")
+            if self.fail_complete:
+                self.fail_complete -= 1
+                raise StoreError("disk I/O error (injected)")
+        await super().end_turn(write, unknown_for=unknown_for, key=key)
 
 
 @pytest.fixture

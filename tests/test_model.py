@@ -370,20 +370,20 @@ class Protocol(RuleBasedStateMachine):
     def answered(self, admitted: tuple[int, FencedWrite]) -> None:
         if (write := self.unsettled(admitted)) is None:
             return
+        # As the proxy settles a write: the key's answer and the record's end, together.
+        self.run(self.store.end_turn(write, key=None if write.key is None else ANSWER))
         if write.key is not None:
-            self.run(self.store.complete_key(write, ANSWER))
             self.ref.settle_key(write, "completed")
-        self.run(self.store.end_turn(write))
         self.ref.end_turn(write, None)
 
     @rule(admitted=consumes(admitted))
     def timed_out(self, admitted: tuple[int, FencedWrite]) -> None:
         if (write := self.unsettled(admitted)) is None:
             return
+        unknown = None if write.key is None else "unknown"
+        self.run(self.store.end_turn(write, unknown_for=QUARANTINE, key=unknown))
         if write.key is not None:
-            self.run(self.store.mark_unknown(write))
             self.ref.settle_key(write, "unknown")
-        self.run(self.store.end_turn(write, unknown_for=QUARANTINE))
         self.ref.end_turn(write, QUARANTINE)
 
     @rule(admitted=consumes(admitted))

@@ -125,7 +125,7 @@ async def test_in_one_batch_each_write_is_decided_on_its_own(
     fenced, done = FencedWrite("r", "s", 5), keyed("d", 3, "k")
     for first in (fenced, done):
         assert isinstance(await admit(store, first), Admit)
-    await store.complete_key(done, StoredResponse(201, {}, b"created"))
+    await store.settle_key(done, StoredResponse(201, {}, b"created"))
     for first in (fenced, done):
         await store.end_turn(first)
     held = FencedWrite("r", "h", 1, hold=30)
@@ -160,6 +160,33 @@ async def test_in_one_batch_each_write_is_decided_on_its_own(
     assert views["n"].in_flight[0] == new.turn
     assert views["n"].generation == 1
     assert [k.state for k in views["n"].keys] == ["in_flight"]
+
+
+async def test_a_keyed_answer_and_its_records_end_are_one_commit(store: Store) -> None:
+    """A keyed write settles as the proxy settles it: its answer under its key and the
+    end of the job's in-flight record go in one transaction, one commit (and one round
+    trip on PostgreSQL), and both are there once it returns; the next write of the
+    job goes at once, and a duplicate is replayed."""
+    write, unknown = keyed("j", 1, "k"), keyed("u", 1, "k")
+    for first in (write, unknown):
+        assert isinstance(await admit(store, first), Admit)
+    commits: list[int] = []
+    store.on_commit = lambda seconds, operations: commits.append(operations)
+    await store.end_turn(write, key=StoredResponse(201, (), b"made"))
+    assert commits == [2]  # the key's settlement and the record's end, together
+    view = await store.inspect("j")
+    assert view.in_flight is None
+    assert [(k.key, k.state) for k in view.keys] == [("k", "completed")]
+    assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"made"))
+    assert isinstance(await admit(store, FencedWrite("r", "j", 1)), Admit)
+    # Sent without an answer: the key is unknown and the record held, in one commit too.
+    commits.clear()
+    await store.end_turn(unknown, unknown_for=30, key="unknown")
+    assert commits == [2]
+    view = await store.inspect("u")
+    assert view.in_flight is not None
+    assert view.in_flight[1] == "unknown"
+    assert [(k.key, k.state) for k in view.keys] == [("k", "unknown")]
 
 
 async def test_a_closed_store_refuses_work_at_once(store: Store) -> None:
@@ -307,7 +334,7 @@ async def old_keys_answer_nobody(opening: Awaitable[Store]) -> None:
             assert (await admit(store, retry)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
         new = FencedWrite("r", "j", 7, key="new", fingerprint=b"n", scope=ALICE)
         assert isinstance(await admit(store, new), Admit)
-        await store.complete_key(new, StoredResponse(200, (), b"ok"))
+        await store.settle_key(new, StoredResponse(200, (), b"ok"))
         await store.end_turn(new)
         assert isinstance(await admit(store, new), Replay)
         other = dataclasses.replace(new, scope=BOB)
@@ -548,7 +575,7 @@ async def test_a_key_in_flight_outlives_its_own_time(store: Store, clock: FakeCl
     assert await store.purge_expired() == 0
     duplicate = keyed("j", 1, "k")
     assert (await admit(store, duplicate)).slug == "duplicate-in-flight"  # type: ignore[union-attr]
-    await store.complete_key(original, StoredResponse(201, (), b"{}"))
+    await store.settle_key(original, StoredResponse(201, (), b"{}"))
     await store.end_turn(original)
     assert isinstance(await admit(store, duplicate), Replay)
 
@@ -559,7 +586,7 @@ async def test_a_key_is_its_jobs_whatever_route_it_came_by(store: Store) -> None
     assert isinstance(await admit(store, original), Admit)
     renamed = FencedWrite("orders-v2", "j", 1, key="k", fingerprint=b"charge $10")
     assert (await admit(store, renamed)).slug == "duplicate-in-flight"  # type: ignore[union-attr]
-    await store.complete_key(original, StoredResponse(201, (), b"{}"))
+    await store.settle_key(original, StoredResponse(201, (), b"{}"))
     await store.end_turn(original)
     replay = await admit(store, renamed)
     assert isinstance(replay, Replay)
@@ -577,13 +604,13 @@ async def test_a_key_answers_its_own_caller_only(store: Store, clock: FakeClock)
     bob = dataclasses.replace(alice, scope=BOB)
     assert isinstance(await admit(store, alice), Admit)
     assert (await admit(store, bob)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
-    await store.complete_key(alice, StoredResponse(201, (), b'{"card": "4242"}'))
+    await store.settle_key(alice, StoredResponse(201, (), b'{"card": "4242"}'))
     await store.end_turn(alice)
     assert (await admit(store, bob)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
     assert await admit(store, alice) == Replay(StoredResponse(201, (), b'{"card": "4242"}'))
     unknown = FencedWrite("r", "j", 1, key="u", fingerprint=b"x", scope=ALICE)
     assert isinstance(await admit(store, unknown), Admit)
-    await store.mark_unknown(unknown)
+    await store.settle_key(unknown, "unknown")
     await store.end_turn(unknown)
     other = dataclasses.replace(unknown, scope=BOB)
     assert (await admit(store, other)).slug == "idempotency-key-other-caller"  # type: ignore[union-attr]
@@ -774,7 +801,7 @@ async def test_a_settlement_whose_caller_is_cancelled_still_lands(store: Store) 
     answer is recorded, and a retry of the key is replayed, never sent again."""
     write = keyed("settled", 5, "k")
     assert isinstance(await admit(store, write), Admit)
-    task = asyncio.create_task(store.complete_key(write, StoredResponse(201, (), b"made")))
+    task = asyncio.create_task(store.settle_key(write, StoredResponse(201, (), b"made")))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -800,7 +827,7 @@ async def test_a_cancelled_duplicate_gives_back_nothing_of_the_write_it_duplicat
         await task
     assert (await admit(store, duplicate)).slug == "duplicate-in-flight"  # type: ignore[union-attr]
     assert isinstance(await admit(store, FencedWrite("r", "j", 1)), Busy)
-    await store.complete_key(original, StoredResponse(201, (), b"made"))
+    await store.settle_key(original, StoredResponse(201, (), b"made"))
     await store.end_turn(original)
     assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"made"))
 
@@ -814,12 +841,12 @@ async def test_a_key_reused_after_its_time_but_before_the_purge_keeps_its_new_an
     try:
         first = keyed("j", 1, "k")
         assert isinstance(await admit(store, first), Admit)
-        await store.complete_key(first, StoredResponse(201, (), b"first"))
+        await store.settle_key(first, StoredResponse(201, (), b"first"))
         await store.end_turn(first)
         clock.advance(11)  # past the key's 10 s; nothing purged it
         again = keyed("j", 1, "k")
         assert isinstance(await admit(store, again), Admit)
-        await store.complete_key(again, StoredResponse(201, (), b"again"))
+        await store.settle_key(again, StoredResponse(201, (), b"again"))
         await store.end_turn(again)
         clock.advance(1)
         assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"again"))
@@ -837,8 +864,8 @@ async def test_a_write_that_lost_its_key_cannot_forget_its_successors(
     clock.advance(61)  # past A's 30 s record and the key's 60 s
     b = keyed("j", 1, "k")
     assert isinstance(await admit(store, b), Admit)
-    await store.forget_key(a)
-    await store.complete_key(b, StoredResponse(201, (), b"by b"))
+    await store.settle_key(a, "forget")
+    await store.settle_key(b, StoredResponse(201, (), b"by b"))
     await store.end_turn(b)
     assert await admit(store, keyed("j", 1, "k")) == Replay(StoredResponse(201, (), b"by b"))
 

@@ -59,7 +59,7 @@ async def test_completed_key_replays_after_reopen(store_path: Path) -> None:
     write = keyed("j", 1, "k")
     await admit(store, write)
     stored = StoredResponse(201, (("Content-Type", "text/plain"), ("X-A", "1")), b"made")
-    await store.complete_key(write, stored)
+    await store.settle_key(write, stored)
     await store.close()
     store = await SQLiteStore.open(store_path)
     try:
@@ -73,7 +73,7 @@ async def test_forgotten_key_can_be_admitted_again(store_path: Path) -> None:
     try:
         write = keyed("j", 1, "k")
         await admit(store, write)
-        await store.forget_key(write)
+        await store.settle_key(write, "forget")
         assert isinstance(await admit(store, write), Admit)
     finally:
         await store.close()
@@ -100,7 +100,7 @@ async def test_expired_keys_are_absent_then_purged(store_path: Path) -> None:
     try:
         done = keyed("j", 1, "done")
         await admit(store, done)
-        await store.complete_key(done, StoredResponse(200, (), b""))
+        await store.settle_key(done, StoredResponse(200, (), b""))
         await store.end_turn(done)
         running = FencedWrite("r", "j", 1, key="running", fingerprint=b"fp", hold=600)
         await admit(store, running)

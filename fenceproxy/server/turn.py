@@ -24,6 +24,7 @@ answers the key's duplicates from memory.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -207,51 +208,32 @@ class Turns:
         await asyncio.gather(*self._background, return_exceptions=True)
 
     async def settle(self, write: FencedWrite, route: Route, ending: Ending) -> None:
-        """Record what the key became, then clear or hold the job's record."""
-        try:
-            if ending.key is not None:
-                await self._settle_key(write, ending.key)
-        finally:
-            await self._end_turn(write, route, ending.unknown_for)
-
-    async def _end_turn(self, write: FencedWrite, route: Route, unknown_for: float | None) -> None:
-        """Give the job's in-flight record back, or keep it ``unknown_for`` seconds.
-        Survives cancellation. If the store fails, the record stays (the job waits,
-        nothing worse) and clearing it is retried."""
-        if unknown_for is not None and route.quarantine > 0:
+        """Record what the key became, and clear or hold the job's record, in one
+        store transaction. Survives cancellation. If the store fails, the record
+        stays (the job waits, nothing worse), the key's state is kept in memory (so
+        retries are answered by it), and both are retried in the background."""
+        if ending.unknown_for is not None and route.quarantine > 0:
             proxy_log.warning(
                 "job %r held for %.1fs: a write's outcome is unknown", write.job, route.quarantine
             )
+        slot = None if write.key is None else (write.job, write.key)
+        settled = functools.partial(
+            self.store.end_turn, write, unknown_for=ending.unknown_for, key=ending.key
+        )
         try:
-            await self.store.end_turn(write, unknown_for=unknown_for)
+            await settled()
         except StoreError as exc:
-            # Until it is cleared, the record holds the job: retried in the background.
-            proxy_log.error("could not clear job %r's in-flight record: %s", write.job, exc)
-            self.retry_later(lambda: self.store.end_turn(write, unknown_for=unknown_for))
-
-    async def _settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
-        """Record what became of a keyed write. Survives cancellation; if the store
-        fails, the state is kept in memory (so retries are answered by it) and retried."""
-        assert write.key is not None
-        slot = (write.job, write.key)
-        try:
-            await self._store_settlement(write, settlement)
-        except StoreError as exc:
-            proxy_log.error("could not record key %r, retrying: %s", write.key, exc)
-            self.keys[slot] = _record(write, settlement)
-            self.retry_later(
-                lambda: self._store_settlement(write, settlement),
-                lambda: self.keys.pop(slot, None),
-            )
+            proxy_log.error("could not settle a write of job %r, retrying: %s", write.job, exc)
+            if slot is not None and ending.key is not None:
+                self.keys[slot] = _record(write, ending.key)
+            self.retry_later(settled, lambda: self._forget(slot))
         else:
-            self.keys.pop(slot, None)
+            self._forget(slot)
 
-    def _store_settlement(self, write: FencedWrite, settlement: Settlement) -> Awaitable[None]:
-        if isinstance(settlement, StoredResponse):
-            return self.store.complete_key(write, settlement)
-        if settlement == "unknown":
-            return self.store.mark_unknown(write)
-        return self.store.forget_key(write)
+    def _forget(self, slot: _Slot | None) -> None:
+        """The store has the key's state: this process no longer answers for it."""
+        if slot is not None:
+            self.keys.pop(slot, None)
 
     def retry_later(
         self,

@@ -31,8 +31,8 @@ from ..fence.fencing import (
     Busy,
     FencedWrite,
     Replay,
-    StoredResponse,
 )
+from ..fence.write import Settlement
 from ..leases.model import Lease, LeaseChange, LeaseState
 from ..log import store_log
 from .wakes import JobWakes
@@ -146,36 +146,37 @@ class Store(abc.ABC):
                 )
 
     @abc.abstractmethod
-    async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
+    async def end_turn(
+        self,
+        write: FencedWrite,
+        *,
+        unknown_for: float | None = None,
+        key: Settlement | None = None,
+    ) -> None:
         """Give the job's in-flight record back: the upstream answered ``write``, or it
         was never sent. With ``unknown_for``, it was sent and its outcome is unknown:
         the record stays, marked unknown, for that many seconds from now, so no newer
         write of the job can overtake it at the upstream. A record this write no
-        longer holds is left alone. Cancelling the caller does not stop it. A backend
-        may return before the change is on disk, as long as every later operation of
-        this process sees it."""
+        longer holds is left alone. Cancelling the caller does not stop it.
 
-    # What became of a keyed write: each runs to its end even if the caller is
-    # cancelled, since the write's fate does not change with the request's.
-
-    @abc.abstractmethod
-    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
-        """Record the upstream's answer to an admitted keyed write, for replay."""
+        With ``key``, what a keyed write's key became (:meth:`settle_key`) is
+        recorded first, in the same transaction: one commit for both, on disk when
+        this returns, and nobody ever sees the record gone while the key is still in
+        flight. Without, a backend may return before the change is on disk, as long
+        as every later operation of this process sees it."""
 
     @abc.abstractmethod
-    async def forget_key(self, write: FencedWrite) -> None:
-        """Drop the key of an admitted write that never left the proxy, so it may be retried."""
-
-    @abc.abstractmethod
-    async def mark_unknown(self, write: FencedWrite) -> None:
-        """Record that an admitted keyed write was sent and its outcome is unknown."""
+    async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
+        """Record what became of an admitted keyed write: its answer, for replay;
+        ``"unknown"``, sent without an answer; ``"forget"``, never sent, so the key
+        may come again as new. It runs to its end even if the caller is cancelled,
+        since the write's fate does not change with the request's. A key no longer
+        this write's, in flight, is left alone."""
 
     async def give_back(self, write: FencedWrite) -> None:
         """Undo the admission of a write that was never sent: its key is released, its
         in-flight record given back. Either one it no longer holds is left alone."""
-        if write.key is not None:
-            await self.forget_key(write)
-        await self.end_turn(write)
+        await self.end_turn(write, key=None if write.key is None else "forget")
 
     @abc.abstractmethod
     async def generation(self, job: str) -> int | None:

@@ -52,6 +52,7 @@ import asyncpg
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, Busy, FencedWrite, Replay, StoredResponse
+from ..fence.write import Settlement
 from ..leases.model import (
     InFlightSummary,
     Lease,
@@ -340,19 +341,23 @@ class PostgresStore(Store):
     def _admit(self, write: FencedWrite) -> asyncio.Future[Decision]:
         return self._submit(_Op("take", write, write.hold))
 
-    async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
-        op = _Op("end", write) if unknown_for is None else _Op("hold", write, unknown_for)
-        await to_completion(self._submit(op))
+    async def end_turn(
+        self,
+        write: FencedWrite,
+        *,
+        unknown_for: float | None = None,
+        key: Settlement | None = None,
+    ) -> None:
+        ended = _Op("end", write) if unknown_for is None else _Op("hold", write, unknown_for)
+        if key is None:
+            await to_completion(self._submit(ended))
+        else:  # submitted together, so in one batch: one round trip, one commit
+            settled = self._submit(_key_op(write, key))
+            await to_completion(asyncio.gather(settled, self._submit(ended)))
         self.wakes.wake(write.job)  # this proxy's claims only: another's poll
 
-    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
-        await to_completion(self._submit(_Op("complete", write, response=response)))
-
-    async def mark_unknown(self, write: FencedWrite) -> None:
-        await to_completion(self._submit(_Op("unknown", write)))
-
-    async def forget_key(self, write: FencedWrite) -> None:
-        await to_completion(self._submit(_Op("forget", write)))
+    async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
+        await to_completion(self._submit(_key_op(write, settlement)))
 
     async def generation(self, job: str) -> int | None:
         async def tx(conn: _Conn) -> int | None:
@@ -652,6 +657,12 @@ class _Op:
     write: FencedWrite
     seconds: float | None = None
     response: StoredResponse | None = None
+
+
+def _key_op(write: FencedWrite, settlement: Settlement) -> _Op:
+    if isinstance(settlement, StoredResponse):
+        return _Op("complete", write, response=settlement)
+    return _Op(settlement, write)
 
 
 _KEY_SETTLEMENTS = {"complete": "settle", "unknown": "settle", "forget": "forget"}

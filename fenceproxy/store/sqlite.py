@@ -40,6 +40,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from ..errors import Refusal, StoreError
 from ..fence.fencing import Admit, FencedWrite, StoredResponse
+from ..fence.write import Settlement
 from ..leases.model import (
     InFlightSummary,
     Lease,
@@ -211,7 +212,13 @@ class SQLiteStore(Store):
 
         return self._enqueue(op)
 
-    async def end_turn(self, write: FencedWrite, *, unknown_for: float | None = None) -> None:
+    async def end_turn(
+        self,
+        write: FencedWrite,
+        *,
+        unknown_for: float | None = None,
+        key: Settlement | None = None,
+    ) -> None:
         def op(tx: _Batch) -> None:
             if unknown_for is None:
                 tx.write(
@@ -224,29 +231,36 @@ class SQLiteStore(Store):
                     (self._clock() + unknown_for, write.job, write.turn),
                 )
 
-        # Not waited for: the record only ever holds its job back, so its clearing
-        # need not be on disk before the answer goes out (after a crash the record is
-        # back, and the job waits until it expires). It commits with the next batch,
-        # before any later operation of this store reads it; a claim waiting for the
-        # job is woken then.
+        # A key's settlement goes in the same batch, before the record's end: one
+        # commit, waited for, since the key's answer is on disk before it is given.
+        settled = None if key is None else self._enqueue(self._key_op(write, key))
+        # The record's end alone is not waited for: the record only ever holds its job
+        # back, so its clearing need not be on disk before the answer goes out (after a
+        # crash the record is back, and the job waits until it expires). It commits
+        # with the next batch, before any later operation of this store reads it; a
+        # claim waiting for the job is woken then.
         done = self._enqueue(op)
         done.add_done_callback(_log_failure)
         if self.wakes.watched(write.job):
             done.add_done_callback(lambda _: self.wakes.wake(write.job))
+        if settled is not None:
+            await settled
 
-    async def complete_key(self, write: FencedWrite, response: StoredResponse) -> None:
-        headers = json.dumps(response.headers)
-        await self._update_key(
-            write,
-            "state = 'completed', status = ?, headers = ?, body = ?",
-            (response.status, headers, response.body),
-        )
+    async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
+        await self._submit(self._key_op(write, settlement))
 
-    async def mark_unknown(self, write: FencedWrite) -> None:
-        await self._update_key(write, "state = 'unknown'", ())
+    def _key_op(self, write: FencedWrite, settlement: Settlement) -> _Op:
+        if isinstance(settlement, StoredResponse):
+            headers = json.dumps(settlement.headers)
+            return self._update_key(
+                write,
+                "state = 'completed', status = ?, headers = ?, body = ?",
+                (settlement.status, headers, settlement.body),
+            )
+        if settlement == "unknown":
+            return self._update_key(write, "state = 'unknown'", ())
 
-    async def forget_key(self, write: FencedWrite) -> None:
-        def op(tx: _Batch) -> None:
+        def forget(tx: _Batch) -> None:
             if not tx.write(
                 "DELETE FROM idempotency_keys WHERE job = ? AND key = ?"
                 " AND state = 'in_flight' AND holder = ?",
@@ -254,7 +268,7 @@ class SQLiteStore(Store):
             ):
                 key_not_held(write, "forget")
 
-        await self._submit(op)
+        return forget
 
     async def generation(self, job: str) -> int | None:
         def op(tx: _Batch) -> int | None:
@@ -343,9 +357,7 @@ class SQLiteStore(Store):
 
     # -- grouped commits ------------------------------------------------------
 
-    async def _update_key(
-        self, write: FencedWrite, assignments: str, params: tuple[Any, ...]
-    ) -> None:
+    def _update_key(self, write: FencedWrite, assignments: str, params: tuple[Any, ...]) -> _Op:
         def op(tx: _Batch) -> None:
             # Remembered for the key's time from its outcome, however long it was in flight.
             if not tx.write(
@@ -361,7 +373,7 @@ class SQLiteStore(Store):
             ):
                 key_not_held(write, "settle")
 
-        await self._submit(op)
+        return op
 
     async def _submit(self, op: _Op) -> Any:
         return await self._enqueue(op)
