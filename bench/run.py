@@ -584,6 +584,22 @@ def median(setup: Setup, key: str) -> float:
     return statistics.median(run[key] for run in setup.runs)
 
 
+HOT_MODULE = "fenceproxy.http.server"
+"""A module of the per-request path: built from its source, or compiled (an extension
+module beside it), it tells which build of the package a run measured."""
+
+
+def package_build(env: dict[str, str] | None = None) -> str:
+    """Which build of the package ``python -m fenceproxy`` runs under ``env``: pure
+    Python, or compiled, and from where."""
+    where = subprocess.run(
+        [sys.executable, "-c", f"import {HOT_MODULE} as m; print(m.__file__)"],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout.strip()  # fmt: skip
+    kind = "pure Python" if where.endswith(".py") else "compiled"
+    return f"{kind}, {HOT_MODULE} from {where}"
+
+
 def report(table: list[Setup], rounds: int, seconds: float, connections: int) -> list[str]:
     rows = {s.name: s for s in table}
     direct, nginx = rows.get("direct"), rows.get("nginx")
@@ -591,6 +607,7 @@ def report(table: list[Setup], rounds: int, seconds: float, connections: int) ->
         f"\nwrk -t1 -c{connections}, {seconds:g} s per run, {rounds} interleaved rounds, "
         f"medians; {'server on core 0, wrk and upstream on core 1' if TWO_CORES else 'unpinned'}"
     )
+    print(f"the package measured: {package_build()}")
     header = (
         f"{'setup':<16} {'req/s':>8} {'vs direct':>9} {'vs nginx':>8} {'p50 ms':>7} "
         f"{'p99 ms':>7} {'CPU µs':>7} {'of it, DB':>9} {'CPU vs nginx':>12} {'peak RSS':>9}"
@@ -698,20 +715,30 @@ def all_2xx(failed: list[str]) -> bool:
     return not failed
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def load_options(parser: argparse.ArgumentParser) -> None:
+    """The options of wrk's load every benchmark of this folder that drives a fenced
+    write takes, and ``--json``."""
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument(
         "--warmup", type=int, default=1, help="seconds of load discarded before each run"
     )
-    parser.add_argument("--no-postgres", action="store_true", help="SQLite setups only")
-    parser.add_argument("--only", help="comma-separated setup names (e.g. direct,nginx,fenced)")
     parser.add_argument("--json", metavar="FILE", help="also write every run's figures here")
-    args = parser.parse_args()
+
+
+def need_wrk() -> None:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (make bench installs it)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    load_options(parser)
+    parser.add_argument("--no-postgres", action="store_true", help="SQLite setups only")
+    parser.add_argument("--only", help="comma-separated setup names (e.g. direct,nginx,fenced)")
+    args = parser.parse_args()
+    need_wrk()
     only = None if args.only is None else {n.strip() for n in args.only.split(",")}
 
     with (

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,9 @@ from run import (
     Setup,
     all_2xx,
     free_port,
+    load_options,
     measure,
+    need_wrk,
     proxy_config,
     said,
 )
@@ -84,14 +85,9 @@ def build(processes: Processes, directory: Path, name: str, tree: Path, upstream
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="a git revision, or a folder")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--json", metavar="FILE", help="also write every run's figures here")
+    load_options(parser)
     args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk is not installed (make bench installs it)")
+    need_wrk()
 
     with tempfile.TemporaryDirectory(prefix="fenceproxy-tracing-cost-") as tmp:
         directory = Path(tmp)

@@ -42,6 +42,11 @@ def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
         assert run["peak_rss_mib"] > 0, name
     # The targets are judged, each a PASS or a MISS, whatever their bound.
     assert re.search(r"^(PASS|MISS) +fenced req/s >= [0-9.]+x direct: ", result.stdout, re.M)
+    # Which build it measured: this checkout's modules, from their source.
+    server = ROOT / "fenceproxy" / "http" / "server.py"
+    assert f"the package measured: pure Python, fenceproxy.http.server from {server}" in (
+        result.stdout
+    )
 
 
 @pytest.mark.timeout(180)
@@ -113,6 +118,32 @@ def test_the_tracing_cost_check_runs_this_tree_against_a_revision(tmp_path: Path
     )
     assert runs["ratio"] == pytest.approx(ratio)
     assert re.search(r"^(PASS|MISS) +tracing off, CPU/request vs the baseline", result.stdout, re.M)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk missing")
+def test_the_compiled_builds_check_drives_each_build_in_turn(tmp_path: Path) -> None:
+    """``bench/compiled.py`` drives the pure package and each compiled copy of it in
+    rotating order and gives each one's CPU per request against the pure one's. Here
+    with no compiler (a build takes minutes): the pure build alone, against itself;
+    a compiler that is not one is refused."""
+    figures = tmp_path / "compiled.json"
+    command = [sys.executable, str(ROOT / "bench" / "compiled.py"), "--rounds", "2",
+               "--seconds", "1", "--warmup", "0", "--json", str(figures)]  # fmt: skip
+    result = subprocess.run(
+        [*command, "--with", ""], capture_output=True, text=True, timeout=110, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads(figures.read_text())
+    assert list(runs) == ["pure"]
+    assert [figure["failed"] for figure in runs["pure"]] == [0, 0]
+    assert all(figure["requests"] > 10 for figure in runs["pure"])
+    assert re.search(r"^pure +[0-9.]+ +1\.000 +[0-9,]+ +1\.000$", result.stdout, re.M)
+    refused = subprocess.run(
+        [*command, "--with", "nuitka"], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert refused.returncode != 0
+    assert "no such compiler ['nuitka'] (mypyc, cython)" in refused.stderr
 
 
 @pytest.mark.timeout(120)

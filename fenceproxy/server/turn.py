@@ -62,6 +62,24 @@ _Slot = tuple[str, str]  # (job, key): a key is its job's, whatever route it cam
 _T = TypeVar("_T")
 
 
+class _Gate:
+    """One job's gate: how many hold it, the generation they share (None: one
+    holder alone), and who waits, in order."""
+
+    __slots__ = ("holders", "share", "waiting")
+
+    def __init__(self) -> None:
+        self.holders = 0
+        self.share: int | None = None
+        self.waiting: deque[tuple[int | None, asyncio.Future[None]]] = deque()
+
+    def open_to(self, share: int | None) -> bool:
+        """Whether a newcomer of ``share`` may go in at once."""
+        if self.waiting:
+            return False
+        return self.holders == 0 or (share is not None and share == self.share)
+
+
 class JobLocks:
     """In-process gates per job, first come first served, dropped when nobody holds
     or waits for them.
@@ -75,22 +93,8 @@ class JobLocks:
 
     __slots__ = ("_gates",)
 
-    class _Gate:
-        __slots__ = ("holders", "share", "waiting")
-
-        def __init__(self) -> None:
-            self.holders = 0
-            self.share: int | None = None
-            self.waiting: deque[tuple[int | None, asyncio.Future[None]]] = deque()
-
-        def open_to(self, share: int | None) -> bool:
-            """Whether a newcomer of ``share`` may go in at once."""
-            if self.waiting:
-                return False
-            return self.holders == 0 or (share is not None and share == self.share)
-
     def __init__(self) -> None:
-        self._gates: dict[str, JobLocks._Gate] = {}
+        self._gates: dict[str, _Gate] = {}
 
     def __len__(self) -> int:
         return len(self._gates)
@@ -105,7 +109,7 @@ class JobLocks:
         did (then it is given back once, with :meth:`release`)."""
         gate = self._gates.get(job)
         if gate is None:
-            gate = self._gates[job] = JobLocks._Gate()
+            gate = self._gates[job] = _Gate()
         if not gate.open_to(share):
             return False
         gate.holders += 1
@@ -151,7 +155,7 @@ class JobLocks:
                     break
         self._drop_if_unused(job, gate)
 
-    def _drop_if_unused(self, job: str, gate: JobLocks._Gate) -> None:
+    def _drop_if_unused(self, job: str, gate: _Gate) -> None:
         if gate.holders == 0 and not gate.waiting and self._gates.get(job) is gate:
             del self._gates[job]
 
