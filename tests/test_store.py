@@ -77,6 +77,19 @@ ALICE = scope([("authorization", ["Bearer alice"]), ("cookie", [])])
 BOB = scope([("authorization", ["Bearer bob"]), ("cookie", [])])
 
 
+async def inject(store_url: str, sqlite: str, postgres: list[str]) -> None:
+    """Put a fault in the store at ``store_url`` before it is opened: a trigger, in
+    ``sqlite``'s or ``postgres``'s statements."""
+    if store_url.startswith("sqlite"):
+        path = store_url.removeprefix("sqlite:///")
+        await SQLiteStore.migrate(path)
+        with closing(sqlite3.connect(path)) as conn:
+            conn.execute(sqlite)
+            conn.commit()
+    else:
+        await sql(store_url, *postgres)
+
+
 def keyed(job: str, generation: int, key: str) -> FencedWrite:
     return FencedWrite("r", job, generation, key=key, fingerprint=key.encode())
 
@@ -84,14 +97,7 @@ def keyed(job: str, generation: int, key: str) -> FencedWrite:
 async def test_a_fault_inside_a_transaction_undoes_it_and_tells_its_callers(
     store_url: str, clock: FakeClock
 ) -> None:
-    if store_url.startswith("sqlite"):
-        path = store_url.removeprefix("sqlite:///")
-        await SQLiteStore.migrate(path)
-        with closing(sqlite3.connect(path)) as conn:
-            conn.execute(SQLITE_TRIGGER)
-            conn.commit()
-    else:
-        await sql(store_url, *POSTGRES_TRIGGER)
+    await inject(store_url, SQLITE_TRIGGER, POSTGRES_TRIGGER)
     store = await open_store(store_url, key_ttl=60, clock=clock)
     try:
         good, bad, other = keyed("a", 5, "k"), keyed("b", 5, "boom"), keyed("c", 5, "k")
@@ -160,6 +166,48 @@ async def test_in_one_batch_each_write_is_decided_on_its_own(
     assert views["n"].in_flight[0] == new.turn
     assert views["n"].generation == 1
     assert [k.state for k in views["n"].keys] == ["in_flight"]
+
+
+STUCK_SQLITE = (
+    "CREATE TRIGGER stuck BEFORE DELETE ON inflight WHEN OLD.job = 'stuck' AND NOT EXISTS"
+    " (SELECT 1 FROM fences WHERE job = 'unstick')"
+    " BEGIN SELECT RAISE(ABORT, 'disk I/O error (injected)'); END"
+)
+STUCK_POSTGRES = [
+    "CREATE FUNCTION stuck() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+    " IF OLD.job = 'stuck' AND NOT EXISTS (SELECT 1 FROM fences WHERE job = 'unstick') THEN"
+    " RAISE EXCEPTION 'disk I/O error (injected)'; END IF; RETURN OLD; END $$",
+    "CREATE TRIGGER stuck BEFORE DELETE ON inflight FOR EACH ROW EXECUTE FUNCTION stuck()",
+]
+
+
+async def test_a_records_end_that_fails_is_retried_until_it_commits(
+    store_url: str, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer does not wait for the end of its write's in-flight record, and an end
+    that fails is not lost: it is submitted again every second. Meanwhile the record
+    holds its job, nothing worse; once the store takes the end, the job's next write
+    goes, with no write of the job having come to clear it."""
+    await inject(store_url, STUCK_SQLITE, STUCK_POSTGRES)
+    store = await open_store(store_url, key_ttl=60, clock=clock)
+    try:
+        written = FencedWrite("r", "stuck", 1)
+        assert isinstance(await admit(store, written), Admit)
+        await store.end_turn(written)  # the upstream answered: the record may go
+        async with asyncio.timeout(5):
+            while "could not clear job 'stuck'" not in caplog.text:
+                await asyncio.sleep(0.01)
+        assert isinstance(await admit(store, FencedWrite("r", "stuck", 1)), Busy)
+        # The store takes it again (here: the injected fault is lifted by a write).
+        assert isinstance(await admit(store, FencedWrite("r", "unstick", 1)), Admit)
+        async with asyncio.timeout(5):
+            while (await store.inspect("stuck")).in_flight is not None:
+                await asyncio.sleep(0.05)
+        assert isinstance(await admit(store, FencedWrite("r", "stuck", 1)), Admit)
+    finally:
+        await store.close()
+        if not store_url.startswith("sqlite"):
+            await sql(store_url, "DROP TRIGGER stuck ON inflight", "DROP FUNCTION stuck")
 
 
 async def test_a_keyed_answer_and_its_records_end_are_one_commit(store: Store) -> None:

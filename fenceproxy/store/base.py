@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_END_RETRY = 1.0
+"""Seconds between submissions of a record's end that failed."""
 Decision = tuple[Admit | Replay | Refusal | Busy, float]
 """What :meth:`Store.admit` returns: the decision, and when the store's clock was read."""
 
@@ -88,6 +90,10 @@ class Store(abc.ABC):
         """Told of each commit: how long it took and how many operations it held."""
         self.server = StoreServer()
         """The database server the store's decisions go to, as last connected."""
+        self._ending: dict[str, asyncio.Future[None]] = {}
+        """Per job, the latest end of a record submitted and left, until it commits."""
+        self._retrying: set[asyncio.Task[None]] = set()
+        """The ends of in-flight records that failed, submitted again every second."""
         self.wakes = JobWakes()
         """The claims waiting for a job, woken when it may be free: a release or a
         completion committed, an in-flight record cleared (on PostgreSQL, a release or
@@ -98,6 +104,63 @@ class Store(abc.ABC):
         released or completed it."""
         if isinstance(result, Lease) and result.state is not LeaseState.HELD:
             self.wakes.wake(job)
+
+    def _end_unwaited(self, job: str, submit: Callable[[], asyncio.Future[None]]) -> None:
+        """Submit the end of a record of ``job`` and leave it: an answer need not wait
+        for its commit, which this process's next operations come after. Once it has
+        committed, the job's waiting claims are woken. Should it fail, it is submitted
+        again every second until it commits or the store closes; meanwhile the
+        record holds its job (nothing worse), and it expires by itself."""
+        ending = self._ending[job] = submit()
+        ending.add_done_callback(lambda done: self._ended(job, submit, done))
+
+    async def _ends_committed(self, job: str) -> None:
+        """Wait until the ends of ``job``'s records this process submitted and left
+        have committed (or failed), so that what follows comes after them, as it does
+        on a backend whose every operation goes through one queue."""
+        ending = self._ending.get(job)
+        if ending is not None:
+            await asyncio.wait((ending,))
+
+    def _ended(
+        self, job: str, submit: Callable[[], asyncio.Future[None]], done: asyncio.Future[None]
+    ) -> None:
+        if self._ending.get(job) is done:
+            del self._ending[job]  # the latest: those before it are in its batch or earlier
+        if done.cancelled():
+            return
+        if (exc := done.exception()) is None:
+            self.wakes.wake(job)
+            return
+        store_log.error("could not clear job %r's in-flight record, retrying: %s", job, exc)
+        retry = asyncio.get_running_loop().create_task(self._end_again(job, submit))
+        self._retrying.add(retry)
+        retry.add_done_callback(self._retrying.discard)
+
+    def _wake_on_commit(self, job: str, ended: asyncio.Future[None]) -> None:
+        """Wake the job's waiting claims once ``ended`` (a record's end) has committed."""
+
+        def woken(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self.wakes.wake(job)
+
+        ended.add_done_callback(woken)
+
+    async def _end_again(self, job: str, submit: Callable[[], asyncio.Future[None]]) -> None:
+        while not self._closing:
+            await asyncio.sleep(_END_RETRY)
+            try:
+                await submit()
+            except StoreError:
+                continue
+            self.wakes.wake(job)
+            return
+
+    async def _stop_retrying(self) -> None:
+        """Stop retrying the ends of records (the store closes): those left expire."""
+        for retry in list(self._retrying):
+            retry.cancel()
+        await asyncio.gather(*self._retrying, return_exceptions=True)
 
     async def admit(self, write: FencedWrite) -> Decision:
         """Decide ``write``. Admitted, it takes the job's in-flight record for
@@ -162,8 +225,9 @@ class Store(abc.ABC):
         With ``key``, what a keyed write's key became (:meth:`settle_key`) is
         recorded first, in the same transaction: one commit for both, on disk when
         this returns, and nobody ever sees the record gone while the key is still in
-        flight. Without, a backend may return before the change is on disk, as long
-        as every later operation of this process sees it."""
+        flight. Without, it returns once the change is submitted, not committed
+        (:meth:`_end_unwaited`): the record only ever holds its job back, and every
+        later operation of this process comes after it."""
 
     @abc.abstractmethod
     async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:

@@ -350,10 +350,11 @@ class PostgresStore(Store):
     ) -> None:
         ended = _Op("end", write) if unknown_for is None else _Op("hold", write, unknown_for)
         if key is None:
-            await to_completion(self._submit(ended))
-        else:  # submitted together, so in one batch: one round trip, one commit
-            settled = self._submit(_key_op(write, key))
-            await to_completion(asyncio.gather(settled, self._submit(ended)))
+            self._end_unwaited(write.job, lambda: self._submit(ended))
+            return
+        # Submitted together, so in one batch: one round trip, one commit.
+        settled = self._submit(_key_op(write, key))
+        await to_completion(asyncio.gather(settled, self._submit(ended)))
         self.wakes.wake(write.job)  # this proxy's claims only: another's poll
 
     async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
@@ -364,6 +365,7 @@ class PostgresStore(Store):
             value = await conn.fetchval("SELECT generation FROM fences WHERE job = $1", job)
             return None if value is None else int(value)
 
+        await self._ends_committed(job)  # this process's writes of it come first
         return await self._run(tx, transaction=False)
 
     async def change_lease(self, job: str, change: LeaseChange) -> tuple[Lease | Refusal, float]:
@@ -391,6 +393,7 @@ class PostgresStore(Store):
                     await conn.execute("SELECT pg_notify($1, $2)", _CHANNEL, job)
             return result, float(now)
 
+        await self._ends_committed(job)  # this process's writes of it come first
         result, now = await self._run(tx)
         self._woken_by(job, result)
         return result, now
@@ -401,6 +404,7 @@ class PostgresStore(Store):
             now = await conn.fetchval(_sql(f"SELECT {_NOW}"), self._clock())
             return lease, float(now)
 
+        await self._ends_committed(job)  # this process's writes of it come first
         return await self._run(tx, transaction=False)
 
     async def inspect(self, job: str) -> JobView:
@@ -412,6 +416,7 @@ class PostgresStore(Store):
             now = await conn.fetchval(_sql(f"SELECT {_NOW}"), self._clock())
             return rows.job_view(job, now, fence, lease, inflight, keys)
 
+        await self._ends_committed(job)  # this process's writes of it come first
         return await self._run(tx)
 
     async def jobs(self, prefix: str, after: str, limit: int) -> list[str]:
@@ -478,6 +483,7 @@ class PostgresStore(Store):
             await self._listener.close()
         await self._stop_purging()
         await self._batches.close()
+        await self._stop_retrying()
         await self._pool.close()
 
     # -- the one boundary ----------------------------------------------------

@@ -231,20 +231,14 @@ class SQLiteStore(Store):
                     (self._clock() + unknown_for, write.job, write.turn),
                 )
 
-        # A key's settlement goes in the same batch, before the record's end: one
+        if key is None:
+            self._end_unwaited(write.job, lambda: self._enqueue(op))
+            return
+        # The key's settlement goes in the same batch, before the record's end: one
         # commit, waited for, since the key's answer is on disk before it is given.
-        settled = None if key is None else self._enqueue(self._key_op(write, key))
-        # The record's end alone is not waited for: the record only ever holds its job
-        # back, so its clearing need not be on disk before the answer goes out (after a
-        # crash the record is back, and the job waits until it expires). It commits
-        # with the next batch, before any later operation of this store reads it; a
-        # claim waiting for the job is woken then.
-        done = self._enqueue(op)
-        done.add_done_callback(_log_failure)
-        if self.wakes.watched(write.job):
-            done.add_done_callback(lambda _: self.wakes.wake(write.job))
-        if settled is not None:
-            await settled
+        settled = self._enqueue(self._key_op(write, key))
+        self._wake_on_commit(write.job, self._enqueue(op))
+        await settled
 
     async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
         await self._submit(self._key_op(write, settlement))
@@ -352,6 +346,7 @@ class SQLiteStore(Store):
         self.wakes.close()
         await self._stop_purging()
         await self._batches.close()
+        await self._stop_retrying()
         await asyncio.get_running_loop().run_in_executor(self._thread, self._conn.close)
         self._thread.shutdown(wait=False)
 
@@ -477,11 +472,6 @@ class _Batch:
             (job, generation, now),
         )
         self.fences[job] = max(generation, self.fence(job) or 0)
-
-
-def _log_failure(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and (exc := future.exception()) is not None:
-        store_log.error("could not clear an in-flight record (it expires by itself): %s", exc)
 
 
 async def _open(
