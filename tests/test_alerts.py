@@ -16,6 +16,7 @@ import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -337,12 +338,14 @@ class Prometheus:
 
     async def alerts(self) -> dict[str, list[dict[str, Any]]]:
         """The alerts firing now (pending ones left out), by name; empty until it
-        answers."""
+        answers, and while it says it is not ready (503: its storage still opening)."""
         try:
             async with (
                 aiohttp.ClientSession() as http,
                 http.get(self.url + "/api/v1/alerts") as answer,
             ):
+                if answer.status == HTTPStatus.SERVICE_UNAVAILABLE:
+                    return {}
                 found = (await answer.json())["data"]["alerts"]
         except aiohttp.ClientConnectionError:
             assert self._process.poll() is None, self._log.read_text()
