@@ -265,7 +265,9 @@ async def test_run_paused_past_its_lease_is_refused_and_stopped_when_it_wakes(
     SIGTERM), and exits with the lease-lost code."""
     grace = 1.0
     command = ("--", sys.executable, "-c", PAUSED, str(runs.folder))
-    a = await runs.start("nightly", "--ttl", "0.5", "--grace", f"{grace}", *command)
+    # A ttl a loaded machine renews in time until the pause (renewed every ttl/3, lost
+    # 0.9 ttl after the last renewal sent): a slow start-up is no pause.
+    a = await runs.start("nightly", "--ttl", "2", "--grace", f"{grace}", *command)
     a_command = await runs.pid("a")
     a_group = os.getpgid(a_command)
     assert a_group not in (os.getpgid(a.pid), os.getpgrp())  # a group of its own
@@ -385,7 +387,9 @@ async def test_run_exits_lease_lost_when_a_renewal_is_refused(
 ) -> None:
     """The job taken from under the command (here completed by its owner elsewhere):
     the next renewal is refused, the command stopped with SIGTERM, and run exits 80."""
-    run = await runs.waiter("taken", "w", "--owner", "w", "--ttl", "0.6")
+    # Renewed every ttl/3: a ttl a loaded machine renews in time until the job is taken,
+    # so that the refused renewal, not the local deadline, is what ends the lease.
+    run = await runs.waiter("taken", "w", "--owner", "w", "--ttl", "3")
     await runs.pid("w")
     body = {"owner": "w", "generation": 1}
     async with http.post(f"{proxy.url}/_leases/taken/complete", json=body) as answer:

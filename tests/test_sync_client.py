@@ -330,8 +330,8 @@ async def test_a_call_is_over_within_its_time_even_when_its_answer_trickles(
     base = str(server.make_url("")).rstrip("/")
 
     def call() -> float:
-        started = time.monotonic()
         with SyncLeaseClient(base, request_timeout=0.5) as leases:
+            started = time.monotonic()  # the call's time, not the making of its client
             try:
                 leases.show("job")
             except LeaseServiceError:
