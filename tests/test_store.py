@@ -195,7 +195,7 @@ async def test_a_records_end_that_fails_is_retried_until_it_commits(
         assert isinstance(await admit(store, written), Admit)
         await store.end_turn(written)  # the upstream answered: the record may go
         async with asyncio.timeout(5):
-            while "could not clear job 'stuck'" not in caplog.text:
+            while "could not end job 'stuck'" not in caplog.text:
                 await asyncio.sleep(0.01)
         assert isinstance(await admit(store, FencedWrite("r", "stuck", 1)), Busy)
         # The store takes it again (here: the injected fault is lifted by a write).

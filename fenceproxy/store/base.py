@@ -132,7 +132,10 @@ class Store(abc.ABC):
         if (exc := done.exception()) is None:
             self.wakes.wake(job)
             return
-        store_log.error("could not clear job %r's in-flight record, retrying: %s", job, exc)
+        if self._closing:
+            store_log.error("could not end job %r's in-flight record (it expires): %s", job, exc)
+            return
+        store_log.error("could not end job %r's in-flight record, retrying: %s", job, exc)
         retry = asyncio.get_running_loop().create_task(self._end_again(job, submit))
         self._retrying.add(retry)
         retry.add_done_callback(self._retrying.discard)

@@ -51,7 +51,7 @@ from ..leases.model import (
 )
 from ..log import store_log
 from . import rows, sqlite_errors
-from .base import Decision, JobView, Store, StoreGauges, key_not_held
+from .base import Decision, JobView, Store, StoreGauges, key_not_held, to_completion
 from .batch import Batches
 from .migrations import SCHEMAS, read_migrations
 
@@ -238,7 +238,7 @@ class SQLiteStore(Store):
         # commit, waited for, since the key's answer is on disk before it is given.
         settled = self._enqueue(self._key_op(write, key))
         self._wake_on_commit(write.job, self._enqueue(op))
-        await settled
+        await to_completion(settled)  # a cancelled caller still sees its outcome
 
     async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
         await self._submit(self._key_op(write, settlement))
