@@ -211,7 +211,6 @@ class Store(abc.ABC):
                     "could not clear an in-flight record (it expires by itself): %s", exc
                 )
 
-    @abc.abstractmethod
     async def end_turn(
         self,
         write: FencedWrite,
@@ -226,19 +225,40 @@ class Store(abc.ABC):
         longer holds is left alone. Cancelling the caller does not stop it.
 
         With ``key``, what a keyed write's key became (:meth:`settle_key`) is
-        recorded first, in the same transaction: one commit for both, on disk when
-        this returns, and nobody ever sees the record gone while the key is still in
-        flight. Without, it returns once the change is submitted, not committed
-        (:meth:`_end_unwaited`): the record only ever holds its job back, and every
-        later operation of this process comes after it."""
+        recorded first, in the same batch: one transaction and commit for both, on
+        disk when this returns, and nobody ever sees the record gone while the key is
+        still in flight. Without, it returns once the change is submitted, not
+        committed (:meth:`_end_unwaited`): the record only ever holds its job back,
+        and every later operation of this process comes after it."""
 
-    @abc.abstractmethod
+        def ended() -> asyncio.Future[None]:
+            return self._submit_end(write, unknown_for)
+
+        if key is None:
+            self._end_unwaited(write.job, ended)
+            return
+        # Submitted together, so in one batch, the key first.
+        settled = self._submit_key(write, key)
+        self._wake_on_commit(write.job, ended())
+        await to_completion(settled)
+
     async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
         """Record what became of an admitted keyed write: its answer, for replay;
         ``"unknown"``, sent without an answer; ``"forget"``, never sent, so the key
         may come again as new. It runs to its end even if the caller is cancelled,
         since the write's fate does not change with the request's. A key no longer
         this write's, in flight, is left alone."""
+        await to_completion(self._submit_key(write, settlement))
+
+    @abc.abstractmethod
+    def _submit_end(self, write: FencedWrite, unknown_for: float | None) -> asyncio.Future[None]:
+        """Queue the end (or, with ``unknown_for``, the hold) of ``write``'s in-flight
+        record for the next batch; its outcome once that batch is over."""
+
+    @abc.abstractmethod
+    def _submit_key(self, write: FencedWrite, settlement: Settlement) -> asyncio.Future[None]:
+        """Queue what ``write``'s key became for the next batch; its outcome once that
+        batch is over."""
 
     async def give_back(self, write: FencedWrite) -> None:
         """Undo the admission of a write that was never sent: its key is released, its

@@ -71,7 +71,6 @@ from .base import (
     StoreGauges,
     StoreServer,
     key_not_held,
-    to_completion,
 )
 from .batch import Batches
 from .migrations import SCHEMAS, read_migrations
@@ -341,24 +340,15 @@ class PostgresStore(Store):
     def _admit(self, write: FencedWrite) -> asyncio.Future[Decision]:
         return self._submit(_Op("take", write, write.hold))
 
-    async def end_turn(
-        self,
-        write: FencedWrite,
-        *,
-        unknown_for: float | None = None,
-        key: Settlement | None = None,
-    ) -> None:
-        ended = _Op("end", write) if unknown_for is None else _Op("hold", write, unknown_for)
-        if key is None:
-            self._end_unwaited(write.job, lambda: self._submit(ended))
-            return
-        # Submitted together, so in one batch: one round trip, one commit.
-        settled = self._submit(_key_op(write, key))
-        await to_completion(asyncio.gather(settled, self._submit(ended)))
-        self.wakes.wake(write.job)  # this proxy's claims only: another's poll
+    def _submit_end(self, write: FencedWrite, unknown_for: float | None) -> asyncio.Future[None]:
+        if unknown_for is None:
+            return self._submit(_Op("end", write))
+        return self._submit(_Op("hold", write, unknown_for))
 
-    async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
-        await to_completion(self._submit(_key_op(write, settlement)))
+    def _submit_key(self, write: FencedWrite, settlement: Settlement) -> asyncio.Future[None]:
+        if isinstance(settlement, StoredResponse):
+            return self._submit(_Op("complete", write, response=settlement))
+        return self._submit(_Op(settlement, write))
 
     async def generation(self, job: str) -> int | None:
         async def tx(conn: _Conn) -> int | None:
@@ -663,12 +653,6 @@ class _Op:
     write: FencedWrite
     seconds: float | None = None
     response: StoredResponse | None = None
-
-
-def _key_op(write: FencedWrite, settlement: Settlement) -> _Op:
-    if isinstance(settlement, StoredResponse):
-        return _Op("complete", write, response=settlement)
-    return _Op(settlement, write)
 
 
 _KEY_SETTLEMENTS = {"complete": "settle", "unknown": "settle", "forget": "forget"}

@@ -51,7 +51,7 @@ from ..leases.model import (
 )
 from ..log import store_log
 from . import rows, sqlite_errors
-from .base import Decision, JobView, Store, StoreGauges, key_not_held, to_completion
+from .base import Decision, JobView, Store, StoreGauges, key_not_held
 from .batch import Batches
 from .migrations import SCHEMAS, read_migrations
 
@@ -212,13 +212,7 @@ class SQLiteStore(Store):
 
         return self._enqueue(op)
 
-    async def end_turn(
-        self,
-        write: FencedWrite,
-        *,
-        unknown_for: float | None = None,
-        key: Settlement | None = None,
-    ) -> None:
+    def _submit_end(self, write: FencedWrite, unknown_for: float | None) -> asyncio.Future[None]:
         def op(tx: _Batch) -> None:
             if unknown_for is None:
                 tx.write(
@@ -231,17 +225,10 @@ class SQLiteStore(Store):
                     (self._clock() + unknown_for, write.job, write.turn),
                 )
 
-        if key is None:
-            self._end_unwaited(write.job, lambda: self._enqueue(op))
-            return
-        # The key's settlement goes in the same batch, before the record's end: one
-        # commit, waited for, since the key's answer is on disk before it is given.
-        settled = self._enqueue(self._key_op(write, key))
-        self._wake_on_commit(write.job, self._enqueue(op))
-        await to_completion(settled)  # a cancelled caller still sees its outcome
+        return self._enqueue(op)
 
-    async def settle_key(self, write: FencedWrite, settlement: Settlement) -> None:
-        await self._submit(self._key_op(write, settlement))
+    def _submit_key(self, write: FencedWrite, settlement: Settlement) -> asyncio.Future[None]:
+        return self._enqueue(self._key_op(write, settlement))
 
     def _key_op(self, write: FencedWrite, settlement: Settlement) -> _Op:
         if isinstance(settlement, StoredResponse):
