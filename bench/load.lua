@@ -2,15 +2,16 @@
 --   wrk -s bench/load.lua URL -- PATH JOBS OFFSET GENERATION KEYS [NAME]
 -- PATH      the request path
 -- JOBS      how many distinct job ids (job-0 .. job-(JOBS-1)); OFFSET is the first
--- GENERATION  a fixed token, or "raise:BASE": BASE + a counter, so every write
---           raises its job's generation (BASE must exceed every earlier run's)
+-- GENERATION  a fixed token, or "raise:BASE:EVERY": BASE + how many times EVERY
+--           writes the job has had, so every EVERY-th write of a job raises its
+--           generation, as a new holder would (BASE must exceed every earlier run's)
 -- KEYS      "keys:BASE" gives each write its own Idempotency-Key; "-" gives none
 -- NAME      the job ids' prefix ("job-" unless given): one per wrk, when several
 --           drive the same store, so each writes its own jobs as holders do
 -- Every setup, the baselines included, sends these same requests, so wrk's own cost
 -- is the same in each. done() prints one JSON line for the runner.
 
-local path, jobs, offset, fixed, raise_base, key_base, name
+local path, jobs, offset, fixed, raise_base, raise_every, key_base, name
 local counter = 0
 local body = '{"amount": 1}'
 
@@ -20,7 +21,8 @@ function init(args)
    offset = tonumber(args[3])
    local generation = args[4]
    if generation:sub(1, 6) == "raise:" then
-      raise_base = tonumber(generation:sub(7))
+      local base, every = generation:match("^raise:(%d+):(%d+)$")
+      raise_base, raise_every = tonumber(base), tonumber(every)
    else
       fixed = generation
    end
@@ -32,10 +34,16 @@ end
 
 function request()
    counter = counter + 1
+   local n = offset + counter
+   local token = fixed
+   if not token then
+      -- the job's floor(n / jobs)-th write; its holder changes every raise_every
+      token = string.format("%d", raise_base + math.floor(math.floor(n / jobs) / raise_every))
+   end
    local headers = {
       ["Content-Type"] = "application/json",
-      ["Fencing-Job"] = name .. ((offset + counter) % jobs),
-      ["Fencing-Token"] = fixed or string.format("%d", raise_base + counter),
+      ["Fencing-Job"] = name .. (n % jobs),
+      ["Fencing-Token"] = token,
    }
    if key_base then
       headers["Idempotency-Key"] = key_base .. "-" .. counter

@@ -66,11 +66,11 @@ class Load:
 
     path: str = "/w/x"
     jobs: int = 1_000
-    raise_generation: bool = False
+    raise_every: int = 0  # a job's generation rises every this many of its writes; 0: never
     keys: bool = False
 
     def args(self, base: int) -> list[str]:
-        generation = f"raise:{base}" if self.raise_generation else "1"
+        generation = f"raise:{base}:{self.raise_every}" if self.raise_every else "1"
         # A different stretch of a million jobs each run, so each run's are uncached.
         offset = base % self.jobs if self.jobs >= MILLION else 0
         keys = f"keys:{base}" if self.keys else "-"
@@ -94,6 +94,9 @@ class Setup:
     runs: list[dict[str, float]] = field(default_factory=list)
 
 
+# A job's holder changes, its generation rising, every this many of its writes.
+NEW_HOLDER = 50
+
 # The route ordered by generation (fence: {order: generation}) in proxy_config.
 BY_GENERATION = "/g/x"
 
@@ -101,12 +104,12 @@ PG_SETUPS: list[tuple[str, Load, int]] = [
     # name, load, proxies on the one database
     ("pg fenced", Load(), 1),
     ("pg fenced, 1M jobs", Load(jobs=MILLION), 1),
-    ("pg raising", Load(raise_generation=True), 1),
+    ("pg raising", Load(raise_every=NEW_HOLDER), 1),
     ("pg keys", Load(keys=True), 1),
     ("pg hot job", Load(jobs=1), 1),
     ("pg hot job by gen", Load(path=BY_GENERATION, jobs=1), 1),
     ("pg x2 fenced", Load(), 2),
-    ("pg x2 raising", Load(raise_generation=True), 2),
+    ("pg x2 raising", Load(raise_every=NEW_HOLDER), 2),
     ("pg x2 keys", Load(keys=True), 2),
     # The database's own ceiling: bench/admission.sql, an admission's statements
     # without a proxy (fence and in-flight record upserted, commit, record deleted).
@@ -489,7 +492,7 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
             traced = f"tracing: {{endpoint: '{endpoint}', sample_ratio: 1.0}}"
             sqlite_setup("fenced traced", Load(), extra=traced)
         sqlite_setup("fenced, 1M jobs", Load(jobs=MILLION), prefill=MILLION)
-        sqlite_setup("raising", Load(raise_generation=True))
+        sqlite_setup("raising", Load(raise_every=NEW_HOLDER))
         sqlite_setup("keys", Load(keys=True))
         sqlite_setup("hot job", Load(jobs=1))
         sqlite_setup("fenced by gen", Load(path=BY_GENERATION))

@@ -3,12 +3,14 @@ and the fenced proxy with wrk, and reports every request answered 2xx."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,42 @@ def test_the_syscall_count_divides_each_servers_calls_by_its_requests(tmp_path: 
     assert runs["fenced"]["calls"].get("fdatasync", 0) > 0
     assert "fdatasync" not in runs["pass-through"]["calls"]
     assert re.search(r"^fenced: [0-9.]+ per request \(.*x nginx's\)$", result.stdout, re.M)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk missing")
+def test_the_load_gives_each_job_a_new_holder_every_so_many_of_its_writes() -> None:
+    """``raise:BASE:EVERY``: each job's token starts at BASE and rises by one every
+    EVERY writes of that job, as holders taking over a job in turn send."""
+    seen: dict[str, list[int]] = {}
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 (the handler's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            job, token = self.headers["Fencing-Job"], int(self.headers["Fencing-Token"])
+            seen.setdefault(job, []).append(token)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Recorder) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        lua = str(ROOT / "bench" / "load.lua")
+        args = ["/w/x", "3", "0", "raise:1000:4", "-"]
+        command = ["wrk", "-t1", "-c1", "-d1s", "-s", lua, url, "--", *args]
+        subprocess.run(command, capture_output=True, timeout=30, check=True)
+        server.shutdown()
+    assert sorted(seen) == ["job-0", "job-1", "job-2"]
+    for job, tokens in seen.items():
+        assert len(tokens) > 8, job
+        # Four writes a holder: 1000 x4 (fewer for the job the first write skipped), 1001 x4, ...
+        assert tokens == sorted(tokens), job
+        assert tokens[-1] - tokens[0] >= 2, job
+        runs = [tokens.count(token) for token in sorted(set(tokens))]
+        assert all(run == 4 for run in runs[1:-1]), (job, runs)
