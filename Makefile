@@ -161,12 +161,14 @@ chaos: $(STAMP)
 	$(CHAOS)
 	$(CHAOS) --proxy-command "$(BIN)/python tests/broken_fence.py" --expect-violations
 
-## fenceproxy beside nginx and the bare upstream, driven by wrk, one table of ratios:
+## fenceproxy beside nginx and the bare upstream, driven by wrk, one table of ratios,
+## then a waiting claim's wake-up and the capacity model's constants (docs/capacity.md):
 ## make bench BENCH_ARGS="--rounds 5 --no-postgres". Installs wrk and nginx as `servers` does.
 BENCH_ARGS ?=
 bench: $(STAMP) servers
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 	$(BIN)/python bench/wake.py $(if $(findstring --no-postgres,$(BENCH_ARGS)),--no-postgres)
+	$(if $(findstring --no-postgres,$(BENCH_ARGS)),,$(BIN)/python bench/capacity.py)
 
 ## Known vulnerabilities in the locked dependencies fail the build. Needs an advisory
 ## database (PyPI's JSON API or OSV); --strict fails rather than passing when a

@@ -87,6 +87,7 @@ class Setup:
     memory_pids: Callable[[], list[int]]  # the processes whose peak RSS is reported
     load: Load = field(default_factory=Load)
     database_pids: Callable[[], list[int]] = list  # PostgreSQL's, counted apart
+    database_url: str = ""  # the PostgreSQL database it writes to
     # What drives it instead of wrk (pgbench): seconds, connections -> wrk's figures
     drive: Callable[[int, int], dict[str, int]] | None = None
     before: Callable[[], None] = lambda: None
@@ -524,9 +525,9 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
                     result.append(Setup(name, [], list, list, load, postmaster, drive=drive))
                     continue
                 pids, urls = proxies(database, store, count)
-                result.append(
-                    Setup(name, urls, lambda p=pids: p, lambda p=pids: p, load, postmaster)
-                )
+                setup = Setup(name, urls, lambda p=pids: p, lambda p=pids: p, load, postmaster)
+                setup.database_url = postgres.url(database)
+                result.append(setup)
             for name, load, workers in cores_wanted:
                 database = name.replace(" ", "_").replace("-", "_").lower()
                 asyncio.run(sql(postgres.url(), f"CREATE DATABASE {database}"))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,20 +22,25 @@ from .postgres import postgres_bin
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def bench(
+    script: str, *args: str, figures: Path, timeout: int = 170
+) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Run ``bench/<script>`` with ``args``, writing its figures to ``figures``: its
+    output, and the figures, once it has exited 0."""
+    command = [sys.executable, str(ROOT / "bench" / script), *args, "--json", str(figures)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, json.loads(figures.read_text())
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(shutil.which("wrk") is None or NGINX is None, reason="wrk or nginx missing")
 def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
-    figures = tmp_path / "bench.json"
     setups = ["direct", "nginx", "fenced", "fenced tls", "fenced traced", "raising"]
-    result = subprocess.run(
-        [
-            sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",
-            "--warmup", "0", "--no-postgres", "--only", ",".join(setups), "--json", str(figures),
-        ],
-        capture_output=True, text=True, timeout=170, check=False,
+    result, runs = bench(
+        "run.py", "--rounds", "1", "--seconds", "1", "--warmup", "0", "--no-postgres",
+        "--only", ",".join(setups), figures=tmp_path / "bench.json",
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    runs = json.loads(figures.read_text())
     assert list(runs) == setups
     for name, run in runs.items():
         (figure,) = run["runs"]
@@ -56,17 +62,12 @@ def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
 def test_postgres_rows_count_the_database_apart_and_pgbench_runs_beside(tmp_path: Path) -> None:
     if postgres_bin() is None:
         pytest.skip("PostgreSQL is not installed")
-    figures = tmp_path / "bench.json"
     setups = ["fenced", "pg fenced", "pgbench"]
-    result = subprocess.run(
-        [
-            sys.executable, str(ROOT / "bench" / "run.py"), "--rounds", "1", "--seconds", "1",
-            "--warmup", "0", "--only", ",".join(setups), "--json", str(figures),
-        ],
-        capture_output=True, text=True, timeout=170, check=False,
+    result, figures = bench(
+        "run.py", "--rounds", "1", "--seconds", "1", "--warmup", "0",
+        "--only", ",".join(setups), figures=tmp_path / "bench.json",
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    runs = {name: run["runs"][0] for name, run in json.loads(figures.read_text()).items()}
+    runs = {name: run["runs"][0] for name, run in figures.items()}
     assert list(runs) == setups
     for name, figure in runs.items():
         assert figure["requests"] > 10, name  # served at all: a second on a loaded machine
@@ -80,6 +81,38 @@ def test_postgres_rows_count_the_database_apart_and_pgbench_runs_beside(tmp_path
     assert runs["pgbench"]["proxy_cpu_us"] == 0
     assert runs["pgbench"]["database_cpu_us"] > 0
     assert "pg fenced req/s >= 0.5x pgbench's" in result.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk missing")
+def test_the_capacity_model_is_fitted_and_checked_on_the_runs_it_made(tmp_path: Path) -> None:
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL is not installed")
+    result, figures = bench(
+        "capacity.py", "--rounds", "1", "--seconds", "1", "--warmup", "0",
+        "--sweep", "4,16,32", figures=tmp_path / "capacity.json",
+    )  # fmt: skip
+    runs = {name: run[0] for name, run in figures.items()}
+    assert set(runs) == {
+        "one proxy c4", "one proxy c16", "one proxy c32", "two proxies c32", "pgbench c32"
+    }  # fmt: skip
+    for name, run in runs.items():
+        assert run["failed"] == 0, name
+        assert run["database_cpu_us"] > 0, name
+    # Batches grow with the writes that arrive together: four connections have at
+    # most four admissions a batch, so at least one commit per four writes (less a
+    # little at the run's edges); thirty-two commit far less often.
+    few = runs["one proxy c4"]["commits_per_write"]
+    many = runs["one proxy c32"]["commits_per_write"]
+    assert few >= 0.2
+    assert many < few
+    # Two proxies each commit their own batches: more commits per write than one.
+    assert runs["two proxies c32"]["commits_per_write"] > many
+    assert re.search(r"proxy +p\(k\) = \d+ \+ -?\d+ k µs per write", result.stdout)
+    assert re.search(r"database d\(k\) = \d+ \+ -?\d+ k µs per write", result.stdout)
+    checks = re.findall(r"([\d,]+) req/s measured, ([\d,]+) predicted", result.stdout)
+    assert len(checks) == 2  # one proxy at 32, two at 16 each
+    assert "the primary saturates at N = C x p(k) / d(k)" in result.stdout
 
 
 @pytest.mark.timeout(120)
@@ -100,16 +133,10 @@ def test_the_wake_benchmark_times_a_waiting_claim_from_each_release() -> None:
 def test_the_tracing_cost_check_runs_this_tree_against_a_revision(tmp_path: Path) -> None:
     """``bench/tracing_cost.py`` drives this tree and a revision's package in turn and
     judges the ratio of their CPU per request."""
-    figures = tmp_path / "cost.json"
-    result = subprocess.run(
-        [
-            sys.executable, str(ROOT / "bench" / "tracing_cost.py"), "--baseline", "HEAD",
-            "--rounds", "2", "--seconds", "1", "--warmup", "0", "--json", str(figures),
-        ],
-        capture_output=True, text=True, timeout=110, check=False,
+    result, runs = bench(
+        "tracing_cost.py", "--baseline", "HEAD", "--rounds", "2", "--seconds", "1",
+        "--warmup", "0", figures=tmp_path / "cost.json", timeout=110,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    runs = json.loads(figures.read_text())
     for name in ("this", "baseline"):
         assert len(runs[name]) == 2, name  # one run each round
         for figure in runs[name]:
@@ -157,16 +184,10 @@ def test_the_syscall_count_divides_each_servers_calls_by_its_requests(tmp_path: 
     """``bench/syscalls.py`` counts every thread of each server under load (a fenced
     write's commit syncs on the store's thread) and gives the calls per request, and
     each setup's against nginx's."""
-    figures = tmp_path / "syscalls.json"
-    result = subprocess.run(
-        [
-            sys.executable, str(ROOT / "bench" / "syscalls.py"), "--seconds", "1",
-            "--warmup", "0", "--json", str(figures),
-        ],
-        capture_output=True, text=True, timeout=110, check=False,
+    result, runs = bench(
+        "syscalls.py", "--seconds", "1", "--warmup", "0", figures=tmp_path / "syscalls.json",
+        timeout=110,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    runs = json.loads(figures.read_text())
     assert list(runs) == ["nginx", "pass-through", "fenced"]
     for name, run in runs.items():
         assert run["requests"] > 10, name  # served at all: a second on a loaded machine
@@ -194,7 +215,7 @@ def test_the_load_gives_each_job_a_new_holder_every_so_many_of_its_writes() -> N
     class Recorder(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self) -> None:  # noqa: N802 (the handler's name)
+        def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
             job, token = self.headers["Fencing-Job"], int(self.headers["Fencing-Token"])
             seen.setdefault(job, []).append(token)
