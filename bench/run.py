@@ -69,10 +69,17 @@ class Load:
     raise_every: int = 0  # a job's generation rises every this many of its writes; 0: never
     keys: bool = False
 
-    def args(self, base: int) -> list[str]:
-        generation = f"raise:{base}:{self.raise_every}" if self.raise_every else "1"
-        # A different stretch of a million jobs each run, so each run's are uncached.
-        offset = base % self.jobs if self.jobs >= MILLION else 0
+    def args(self, base: int, first: int, sent: int) -> list[str]:
+        """load.lua's arguments for one run: ``base`` above every key and token earlier
+        runs sent, ``first`` the setup's first run's, and ``sent`` at least as many
+        requests as the setup's earlier runs sent."""
+        generation = f"raise:{first}:{self.raise_every}" if self.raise_every else "1"
+        if self.jobs >= MILLION:  # a different stretch each run, so each run's are uncached
+            offset = base % self.jobs
+        elif self.raise_every:  # each job's writes count on from the last run's
+            offset = sent
+        else:
+            offset = 0
         keys = f"keys:{base}" if self.keys else "-"
         return [self.path, str(self.jobs), str(offset), generation, keys]
 
@@ -93,6 +100,8 @@ class Setup:
     before: Callable[[], None] = lambda: None
     after: Callable[[], None] = lambda: None
     runs: list[dict[str, float]] = field(default_factory=list)
+    first: int = field(default_factory=lambda: time.time_ns() // 1000)  # its first run's base
+    sent: int = 0  # at least as many requests as its runs have sent
 
 
 # A job's holder changes, its generation rising, every this many of its writes.
@@ -274,9 +283,13 @@ def prefill_postgres(url: str, jobs: int) -> None:
 # ---- one measured run ------------------------------------------------------------
 
 
-def wrk(urls: list[str], load: Load, seconds: int, connections: int) -> list[dict[str, int]]:
-    """One wrk per URL at once; each prints its done() line."""
+def wrk(
+    urls: list[str], load: Load, seconds: int, connections: int, first: int = 0, sent: int = 0
+) -> list[dict[str, int]]:
+    """One wrk per URL at once; each prints its done() line. ``first`` and ``sent`` as
+    :meth:`Load.args` takes them (of no matter for a load that keeps its generation)."""
     base = time.time_ns() // 1000  # above every earlier run's generations and keys
+    first = first or base
     share = max(1, connections // len(urls))
     processes = [
         subprocess.Popen(
@@ -292,7 +305,7 @@ def wrk(urls: list[str], load: Load, seconds: int, connections: int) -> list[dic
                 str(HERE / "load.lua"),
                 url,
                 "--",
-                *load.args(base + n * 10_000_000),
+                *load.args(base + n * 10_000_000, first + n * 10_000_000, sent),
                 "job-" if n == 0 else f"w{n}-job-",  # each wrk its own jobs
             ],
             stdout=subprocess.PIPE,
@@ -351,7 +364,10 @@ def measure(setup: Setup, seconds: int, connections: int, warmup: int = 1) -> di
     def drive(seconds: int) -> list[dict[str, int]]:
         if setup.drive is not None:
             return [setup.drive(seconds, connections)]
-        return wrk(setup.urls, setup.load, seconds, connections)
+        results = wrk(setup.urls, setup.load, seconds, connections, setup.first, setup.sent)
+        # wrk may have sent a request a connection beyond those answered.
+        setup.sent += sum(r["requests"] for r in results) + connections
+        return results
 
     setup.before()
     try:
