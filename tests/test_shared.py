@@ -68,6 +68,54 @@ async def test_a_generation_accepted_by_one_proxy_fences_the_other(
     assert [r.generation for r in upstream.received] == [8, 8]
 
 
+async def inflight_scans(conn: asyncpg.Connection) -> tuple[int, int]:
+    """The in-flight table's sequential and index scans, as every session has
+    reported them so far."""
+    row = await conn.fetchrow(
+        "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables WHERE relname = 'inflight'"
+    )
+    return int(row[0]), int(row[1])
+
+
+async def test_admissions_read_the_in_flight_table_by_key_after_a_vacuum_found_it_empty(
+    spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession, database: str
+) -> None:
+    """Autovacuum finds the in-flight table all but empty (its few live rows are the
+    writes at the upstream), and plans made then would read the whole table, dead
+    rows included, for each admission until it vacuums again. Here: vacuumed empty,
+    plans made, 20,000 records ended (dead rows, not vacuumed), then 50 writes, none
+    of which may scan the table."""
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.execute("ALTER TABLE inflight SET (autovacuum_enabled = false)")
+        await conn.execute("VACUUM ANALYZE inflight")
+        proxy = await spawn().start()
+        for n in range(20):  # the plans, made while the table is empty
+            assert await write(http, proxy, f"warm-{n}", 1) == (200, "")
+        await conn.execute(
+            "INSERT INTO inflight (job, holder, state, expires_at)"
+            " SELECT 'gone-' || n, 'h', 'in_flight', 0 FROM generate_series(1, 20000) AS n"
+        )
+        await conn.execute("DELETE FROM inflight WHERE job LIKE 'gone-%'")
+        await conn.execute("SELECT pg_stat_force_next_flush()")  # this session's scans
+        seq, idx = await inflight_scans(conn)
+        for n in range(50):
+            assert await write(http, proxy, f"job-{n}", 1) == (200, "")
+        # A session reports its counts at the end of a transaction a second or more
+        # after its last report (or after 10 s idle): one more write every half second
+        # until all 50 are in. Those more may not scan the table either.
+        for n in range(60):
+            if sum(await inflight_scans(conn)) - seq - idx >= 50:
+                break
+            await asyncio.sleep(0.5)
+            assert await write(http, proxy, f"more-{n}", 1) == (200, "")
+        assert sum(await inflight_scans(conn)) - seq - idx >= 50
+        assert (await inflight_scans(conn))[0] == seq
+    finally:
+        await conn.execute("ALTER TABLE inflight RESET (autovacuum_enabled)")
+        await conn.close()
+
+
 async def test_a_lease_held_through_one_proxy_is_refused_through_the_other(
     spawn: Callable[..., ProxyProcess], http: aiohttp.ClientSession
 ) -> None:

@@ -99,6 +99,13 @@ _LISTEN_CHECK = 10.0
 # Any constant: migrations of one database take this advisory lock, one at a time.
 _MIGRATION_LOCK = 0x66656E6365
 
+# Every statement of the store reads rows by their key. The in-flight table holds a
+# few live rows (the writes at the upstream) among the dead ones of every write
+# ended since autovacuum last came: once vacuumed, its statistics say it is all but
+# empty, and plans made then read it whole, for each admission, until the next
+# vacuum. No sequential scan where an index serves, on every connection of the pool.
+_SESSION = {"enable_seqscan": "off"}
+
 # The database's clock, in seconds since the epoch, unless a test gives its own.
 _NOW = "coalesce($clock::double precision, extract(epoch FROM clock_timestamp())::double precision)"
 
@@ -277,6 +284,7 @@ class PostgresStore(Store):
                 command_timeout=connect_timeout * 2,
                 init=connected,
                 reset=_kept,
+                server_settings=_SESSION,
             )
         except ERRORS as exc:
             raise failed(f"cannot connect to the PostgreSQL store {where}", exc) from exc
