@@ -719,6 +719,39 @@ def targets(rows: dict[str, Setup]) -> list[str]:
     return missed
 
 
+# At light load, one request at a time: the latency each adds over direct's.
+LIGHT = ("direct", "pass-through", "fenced")
+LIGHT_TARGET_MS = 0.5  # a fenced write's
+
+
+def light_load(
+    table: list[Setup], rounds: int, seconds: int, warmup: int
+) -> tuple[dict[str, list[float]], list[str]]:
+    """``LIGHT``'s setups driven by one connection, one request at a time, in
+    interleaved rounds: each one's median latency per round (ms), and the target if
+    missed. Nothing when one of them was not run."""
+    rows = {s.name: s for s in table}
+    if not all(name in rows for name in LIGHT):
+        return {}, []
+    medians: dict[str, list[float]] = {name: [] for name in LIGHT}
+    for _ in range(rounds):
+        for name in LIGHT:
+            run = measure(rows[name], seconds, 1, warmup)
+            if run["failed"]:
+                raise SystemExit(f"{name} answered {run['failed']} non-2xx at light load")
+            medians[name].append(run["p50_ms"])
+    direct = statistics.median(medians["direct"])
+    print("\none connection, one request at a time: median latency, and over direct's")
+    for name in LIGHT:
+        p50 = statistics.median(medians[name])
+        print(f"       {name:<13} {p50:.3f} ms   +{p50 - direct:.3f} ms")
+    added = statistics.median(medians["fenced"]) - direct
+    text = f"fenced latency at light load <= {LIGHT_TARGET_MS} ms over direct's"
+    ok = added <= LIGHT_TARGET_MS
+    print(f"{'PASS' if ok else 'MISS'}   {text}: {added:.3f} ms")
+    return medians, [] if ok else [text]
+
+
 def said(n: int, setup: Setup, run: dict[str, float]) -> str:
     """The line that tells round ``n``'s ``run`` of ``setup``."""
     return (
@@ -771,16 +804,16 @@ def main() -> int:
                 setup.runs.append(run)
                 print(said(n, setup, run), flush=True)
         missed = report(table, args.rounds, args.seconds, args.connections)
+        light, light_missed = light_load(table, args.rounds, args.seconds, args.warmup)
+        missed += light_missed
         if args.json:
-            Path(args.json).write_text(
-                json.dumps(
-                    {
-                        s.name: {"runs": s.runs, "peak_rss_mib": peak_rss_mib(s.memory_pids())}
-                        for s in table
-                    },
-                    indent=2,
-                )
-            )
+            figures: dict[str, object] = {
+                s.name: {"runs": s.runs, "peak_rss_mib": peak_rss_mib(s.memory_pids())}
+                for s in table
+            }
+            if light:
+                figures["light load p50 ms"] = light
+            Path(args.json).write_text(json.dumps(figures, indent=2))
     if not all_2xx([s.name for s in table if any(run["failed"] for run in s.runs)]):
         return 1
     if missed:

@@ -36,11 +36,21 @@ def bench(
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(shutil.which("wrk") is None or NGINX is None, reason="wrk or nginx missing")
 def test_a_short_benchmark_run_measures_each_setup(tmp_path: Path) -> None:
-    setups = ["direct", "nginx", "fenced", "fenced tls", "fenced traced", "raising"]
+    setups = ["direct", "nginx", "pass-through", "fenced", "fenced tls", "fenced traced", "raising"]
     result, runs = bench(
         "run.py", "--rounds", "1", "--seconds", "1", "--warmup", "0", "--no-postgres",
         "--only", ",".join(setups), figures=tmp_path / "bench.json",
     )  # fmt: skip
+    # At light load, one request at a time, each of direct, pass-through and fenced
+    # has its median latency, and the fenced write's over direct's is judged.
+    light = runs.pop("light load p50 ms")
+    assert sorted(light) == ["direct", "fenced", "pass-through"]
+    assert all(len(p50s) == 1 and 0 < p50s[0] < 100 for p50s in light.values()), light
+    added = light["fenced"][0] - light["direct"][0]
+    judged = re.search(r"^(PASS|MISS) +fenced latency at light load <= 0.5 ms over direct's: "
+                       r"(-?[0-9.]+) ms$", result.stdout, re.M)  # fmt: skip
+    assert judged is not None, result.stdout
+    assert float(judged[2]) == pytest.approx(added, abs=0.001)
     assert list(runs) == setups
     for name, run in runs.items():
         (figure,) = run["runs"]
