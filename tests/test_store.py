@@ -440,14 +440,16 @@ async def test_postgres_must_be_migrated_before_it_serves(
 ) -> None:
     with pytest.raises(StoreError, match="is not migrated: run fenceproxy migrate -c FILE"):
         await PostgresStore.open(fresh_postgres)
-    assert "schema version 0 -> 6" in await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
-    assert "schema version 6, up to date" in await migrated_by_the_cli(
-        tmp_path, fresh_postgres, capsys
-    )
+    latest = postgres_store.SCHEMA_VERSION
+    said = await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
+    assert f"schema version 0 -> {latest}" in said
+    said = await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
+    assert f"schema version {latest}, up to date" in said
     store = await PostgresStore.open(fresh_postgres)
     await store.close()
     await sql(fresh_postgres, "UPDATE fenceproxy_schema SET version = 99")
-    with pytest.raises(StoreError, match="schema version 99; this fenceproxy knows up to 6"):
+    newer = f"schema version 99; this fenceproxy knows up to {latest}"
+    with pytest.raises(StoreError, match=newer):
         await PostgresStore.open(fresh_postgres)
 
 
@@ -489,7 +491,8 @@ async def test_a_postgres_store_of_the_previous_version_keeps_its_keys_from_ever
     )
     with pytest.raises(StoreError, match="schema version 3"):
         await PostgresStore.open(fresh_postgres)
-    assert "schema version 3 -> 6" in await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
+    said = await migrated_by_the_cli(tmp_path, fresh_postgres, capsys)
+    assert f"schema version 3 -> {postgres_store.SCHEMA_VERSION}" in said
     conn = await asyncpg.connect(fresh_postgres)
     try:
         rows = await conn.fetch("SELECT key, state, body, scope FROM idempotency_keys")

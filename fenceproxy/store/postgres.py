@@ -99,12 +99,15 @@ _LISTEN_CHECK = 10.0
 # Any constant: migrations of one database take this advisory lock, one at a time.
 _MIGRATION_LOCK = 0x66656E6365
 
-# Every statement of the store reads rows by their key. The in-flight table holds a
-# few live rows (the writes at the upstream) among the dead ones of every write
-# ended since autovacuum last came: once vacuumed, its statistics say it is all but
-# empty, and plans made then read it whole, for each admission, until the next
-# vacuum. No sequential scan where an index serves, on every connection of the pool.
-_SESSION = {"enable_seqscan": "off"}
+# Every statement of the store reads rows by their key, and its plans are made once
+# per session. The in-flight table holds a few live rows (the writes at the upstream)
+# among the dead ones of every write ended since autovacuum last came: once analyzed,
+# its statistics say it is all but empty, and plans made then would read it whole for
+# each admission until the next vacuum; and a statement planned again at each call
+# (as the plan cache chose for an admission's reads once the tables were analyzed)
+# costs more to plan than to run. No sequential scan where an index serves, and one
+# generic plan per statement, on every connection of the pool (docs/postgresql.md).
+_SESSION = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
 
 # The database's clock, in seconds since the epoch, unless a test gives its own.
 _NOW = "coalesce($clock::double precision, extract(epoch FROM clock_timestamp())::double precision)"
