@@ -99,15 +99,12 @@ _LISTEN_CHECK = 10.0
 # Any constant: migrations of one database take this advisory lock, one at a time.
 _MIGRATION_LOCK = 0x66656E6365
 
-# Every statement of the store reads rows by their key, and its plans are made once
-# per session. The in-flight table holds a few live rows (the writes at the upstream)
-# among the dead ones of every write ended since autovacuum last came: once analyzed,
-# its statistics say it is all but empty, and plans made then would read it whole for
-# each admission until the next vacuum; and a statement planned again at each call
-# (as the plan cache chose for an admission's reads once the tables were analyzed)
-# costs more to plan than to run. No sequential scan where an index serves, and one
-# generic plan per statement, on every connection of the pool (docs/postgresql.md).
-_SESSION = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
+# One generic plan per statement, made once per session: once the tables were
+# analyzed (the in-flight table all but empty, as autovacuum finds it), the plan cache
+# chose to plan an admission's reads again at every call, which cost more than running
+# them (docs/postgresql.md, "The in-flight table"). The batch's function reads by key
+# alone (schema 7 sets it no sequential scan).
+_SESSION = {"plan_cache_mode": "force_generic_plan"}
 
 # The database's clock, in seconds since the epoch, unless a test gives its own.
 _NOW = "coalesce($clock::double precision, extract(epoch FROM clock_timestamp())::double precision)"
@@ -148,7 +145,7 @@ _BATCH = "SELECT * FROM fenceproxy_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10
 # rise, the keys go in flight, the records of refused writes are given back. Every row
 # it touches belongs to a job whose advisory lock this transaction holds, so it waits
 # for no other batch.
-_APPLY = """
+_WRITES = """
 WITH raised AS (
     INSERT INTO fences AS f (job, generation, updated_at)
     SELECT * FROM unnest($1::text[], $2::bigint[], $3::double precision[])
@@ -168,7 +165,13 @@ WITH raised AS (
         generation = excluded.generation, holder = excluded.holder,
         status = NULL, headers = NULL, body = NULL,
         created_at = excluded.created_at, expires_at = excluded.expires_at
-), put_back AS (
+"""
+_APPLY = _WRITES + ")\nSELECT 1"
+# The same, and the records of refused writes put back: apart, since a plan that joins
+# the in-flight table reads it whole once autovacuum has found it all but empty.
+_APPLY_AND_PUT_BACK = (
+    _WRITES
+    + """), put_back AS (
     SELECT * FROM unnest($13::text[], $14::text[], $15::text[], $16::text[],
                          $17::double precision[]) AS u(job, turn, holder, state, expires_at)
 ), restored AS (
@@ -178,8 +181,8 @@ WITH raised AS (
     DELETE FROM inflight i USING put_back u
     WHERE i.job = u.job AND i.holder = u.turn AND u.holder IS NULL
 )
-SELECT 1
-"""
+SELECT 1"""
+)
 
 
 async def _kept(conn: asyncpg.Connection) -> None:
@@ -583,8 +586,10 @@ class PostgresStore(Store):
                     async with conn.transaction():
                         found = await conn.fetch(_BATCH, *self._arguments(batch))
                         outcomes, applied = self._decided(batch, found, recorded_at)
-                        if applied.needed:
-                            await conn.execute(_APPLY, *applied.arguments())
+                        if applied.records:
+                            await conn.execute(_APPLY_AND_PUT_BACK, *applied.arguments())
+                        elif applied.needed:
+                            await conn.execute(_APPLY, *applied.arguments()[:12])
         except ERRORS as exc:
             return [_failed(exc)] * len(ops)
         self.on_commit(time.monotonic() - started, len(ops))

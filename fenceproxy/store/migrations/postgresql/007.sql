@@ -1,10 +1,15 @@
--- The in-flight table loses its index on expires_at. Every write adds a row and
--- deletes it long before it would expire, so between two vacuums that index holds
--- an entry, still in the future, for each write since; and once autovacuum has
--- analyzed the table (a handful of live rows, all soon to expire), the planner takes
--- "expires_at > now" for the most selective condition of an admission's reads and
--- scans those entries, every one, for each admission, where the primary key (job,
--- holder) finds the job's few. What read by expiry (the purge, once a minute, and the
--- gauges of held jobs) reads the table whole: its live rows are the writes at the
--- upstream.
+-- Once autovacuum has been through the in-flight table, its statistics say it is all
+-- but empty (its live rows are the writes at the upstream, a handful), while between
+-- two vacuums it holds a dead row for every write since. Two plans made on those
+-- statistics read those dead rows for each admission:
+--
+-- * the index on expires_at, for "expires_at > now": every dead record has its entry
+--   there, still in the future (a record is deleted long before it would expire).
+--   The index goes; what reads by expiry (the purge, once a minute, and the gauge of
+--   held jobs) reads the table whole.
+-- * a sequential scan of the whole table, where the primary key (job, holder) finds
+--   the job's few records. The batch's function plans none.
 DROP INDEX inflight_expiry;
+ALTER FUNCTION fenceproxy_batch(text[], text[], text[], double precision[], text[], boolean[],
+    integer[], text[], bytea[], double precision, double precision, bigint[], boolean[])
+    SET enable_seqscan = off;
