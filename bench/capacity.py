@@ -43,11 +43,10 @@ import asyncpg
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import Setup, all_2xx, load_options, measure, need_wrk, setups  # noqa: E402
+from run import MILLION, Setup, all_2xx, load_options, measure, need_wrk, setups  # noqa: E402
 
 # Every transaction that writes takes an id; reading the next one takes none.
 _NEXT_XID = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint"
-MILLION = 1_000_000
 
 
 async def _next_xid(url: str) -> int:

@@ -541,9 +541,18 @@ def setups(directory: Path, with_postgres: bool, only: set[str] | None) -> Itera
                     result.append(Setup(name, [], list, list, load, postmaster, drive=drive))
                     continue
                 pids, urls = proxies(database, store, count)
-                setup = Setup(name, urls, lambda p=pids: p, lambda p=pids: p, load, postmaster)
-                setup.database_url = postgres.url(database)
-                result.append(setup)
+                url = postgres.url(database)
+                result.append(
+                    Setup(
+                        name,
+                        urls,
+                        lambda p=pids: p,
+                        lambda p=pids: p,
+                        load,
+                        postmaster,
+                        database_url=url,
+                    )
+                )
             for name, load, workers in cores_wanted:
                 database = name.replace(" ", "_").replace("-", "_").lower()
                 asyncio.run(sql(postgres.url(), f"CREATE DATABASE {database}"))

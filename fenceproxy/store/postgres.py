@@ -586,10 +586,8 @@ class PostgresStore(Store):
                     async with conn.transaction():
                         found = await conn.fetch(_BATCH, *self._arguments(batch))
                         outcomes, applied = self._decided(batch, found, recorded_at)
-                        if applied.records:
-                            await conn.execute(_APPLY_AND_PUT_BACK, *applied.arguments())
-                        elif applied.needed:
-                            await conn.execute(_APPLY, *applied.arguments()[:12])
+                        if applied.needed:
+                            await conn.execute(*applied.statement())
         except ERRORS as exc:
             return [_failed(exc)] * len(ops)
         self.on_commit(time.monotonic() - started, len(ops))
@@ -706,15 +704,18 @@ class _Applied:
         prior = (row["r_prior_holder"], row["r_prior_state"], row["r_prior_expires"])
         self.records.append((write.job, write.turn, *prior))
 
-    def arguments(self) -> list[list[Any]]:
-        """One array per column: the fences', the keys', the records'."""
+    def statement(self) -> tuple[Any, ...]:
+        """The statement and its arrays, one per column: the fences', the keys', and
+        the records' when there are records to put back (:data:`_APPLY_AND_PUT_BACK`)."""
+        tables = [(list(self.fences.values()), 3), (self.keys, 9)]
+        if self.records:
+            tables.append((self.records, 5))
         columns: list[list[Any]] = []
-        fences = list(self.fences.values())
-        for entries, width in ((fences, 3), (self.keys, 9), (self.records, 5)):
+        for entries, width in tables:
             columns.extend(list(column) for column in zip(*entries, strict=True))
             if not entries:
                 columns.extend([] for _ in range(width))
-        return columns
+        return (_APPLY_AND_PUT_BACK if self.records else _APPLY), *columns
 
 
 async def _schema_version(conn: _Conn | asyncpg.Connection) -> int:
