@@ -114,13 +114,17 @@ class Store(abc.ABC):
         ending = self._ending[job] = submit()
         ending.add_done_callback(lambda done: self._ended(job, submit, done))
 
-    async def _ends_committed(self, job: str) -> None:
-        """Wait until the ends of ``job``'s records this process submitted and left
-        have committed (or failed), so that what follows comes after them, as it does
-        on a backend whose every operation goes through one queue."""
-        ending = self._ending.get(job)
-        if ending is not None:
-            await asyncio.wait((ending,))
+    async def _ends_committed(self, job: str | None = None) -> None:
+        """Wait until the ends of ``job``'s records (of every job's, without one) this
+        process submitted and left have committed (or failed), so that what follows
+        comes after them, as it does on a backend whose every operation goes through
+        one queue."""
+        if job is None:
+            endings = list(self._ending.values())
+        else:
+            endings = [ending] if (ending := self._ending.get(job)) is not None else []
+        if endings:
+            await asyncio.wait(endings)
 
     def _ended(
         self, job: str, submit: Callable[[], asyncio.Future[None]], done: asyncio.Future[None]

@@ -450,6 +450,7 @@ class PostgresStore(Store):
             sync = await conn.fetchrow(_SYNC)
             return StoreGauges(jobs, synchronous=sync is not None and _unsafe(sync) is None)
 
+        await self._ends_committed()  # a write this process answered holds nothing
         return await self._run(read, transaction=False)
 
     async def purge_expired(self) -> int:
